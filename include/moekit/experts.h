@@ -1,0 +1,130 @@
+// The experts interface: one MoE expert computation, many interchangeable backends.
+//
+// out[t] = sum_k w[t,k] * (down_e . act(gate_up_e . x[t] + b1_e) + b2_e),  e = idx[t,k]
+// The routing weight multiplies after the down projection and its bias; the sum over k runs in
+// float32 in the order k = 0..K-1. An id >= E is an expert-parallel sentinel (no contribution, no
+// work); a negative id is invalid input.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moekit/tensor.h"
+
+namespace moekit {
+
+enum class Activation : uint8_t { silu, gelu, gelu_pytorch_tanh, relu, relu2 };
+
+std::string_view activation_name(Activation activation);
+Activation parse_activation(std::string_view name);  // lists the valid names on failure
+
+// How the expert weights are laid out and which activation runs (transformers' module attributes).
+struct ExpertsConfig {
+  Activation activation = Activation::silu;
+  // false: the weight is up_proj [E, I, H] and the activation applies to it directly.
+  bool has_gate = true;
+  bool has_bias = false;
+  // true: gate_up_proj [E, H, 2I] and down_proj [E, I, H] (x @ W) instead of [E, 2I, H], [E, H, I].
+  bool is_transposed = false;
+  // true: gate rows [0, I) then up rows [I, 2I); false: interleaved g0, u0, g1, u1, ...
+  bool is_concatenated = true;
+  // GPT-OSS clamped SwiGLU, on when swiglu_limit is set (needs has_gate and silu):
+  // g = min(g, limit); u = clamp(u, -limit, limit); h = (u + 1) * g * sigmoid(alpha * g).
+  std::optional<float> swiglu_limit;
+  float swiglu_alpha = 1.702f;
+
+  std::string describe() const;
+};
+
+// The whole input of one experts call. Tensors must share one device. Biases are undefined tensors
+// unless config.has_bias.
+struct ExpertsProblem {
+  Tensor hidden_states;      // [T, H] f32 | f16 | bf16
+  Tensor top_k_index;        // [T, K] i32 | i64
+  Tensor top_k_weights;      // [T, K] f32 or the dtype of hidden_states
+  Tensor gate_up_proj;       // [E, 2I, H] ([E, H, 2I] transposed); up_proj [E, I, H] without gate
+  Tensor down_proj;          // [E, H, I] ([E, I, H] transposed)
+  Tensor gate_up_proj_bias;  // [E, 2I] ([E, I] without gate)
+  Tensor down_proj_bias;     // [E, H]
+  ExpertsConfig config;
+};
+
+// Sizes of a problem, derived and checked by validate().
+struct ExpertsShape {
+  int64_t tokens = 0;        // T
+  int64_t hidden = 0;        // H
+  int64_t intermediate = 0;  // I
+  int64_t experts = 0;       // E
+  int64_t top_k = 0;         // K
+};
+
+// Checks every shape, dtype, rank, device and stride of the problem against the contract and returns
+// its sizes; throws moekit::Error naming the tensor and what was expected. Does not read ids.
+ExpertsShape validate(const ExpertsProblem& problem);
+// Also scans the ids (CPU tensors only): throws on a negative id, naming the token and slot.
+void check_routing_ids(const ExpertsProblem& problem);
+
+// FLOPs of one call: 2 * (pairs routed to a real expert) * H * (2I + I) for gated experts.
+double experts_flops(const ExpertsShape& shape, bool has_gate, double routed_pairs);
+
+// A backend's answer to "can you run this?": ok, or the reason why not.
+struct Support {
+  bool ok = true;
+  std::string reason;
+  static Support yes() { return {}; }
+  static Support no(std::string why) { return {false, std::move(why)}; }
+  explicit operator bool() const { return ok; }
+};
+
+// An opaque stream (cudaStream_t on CUDA, ignored on the CPU).
+struct Stream {
+  void* handle = nullptr;
+};
+
+// A backend's life: supports(problem) -> workspace_bytes(problem) -> forward(...).
+class ExpertsBackend {
+ public:
+  virtual ~ExpertsBackend() = default;
+  virtual std::string_view name() const = 0;
+  virtual std::string_view description() const = 0;
+  // Whether the backend can run on this device at all, in this build, on this machine.
+  virtual Support supports_device(Device device) const = 0;
+  // Whether it can run this (already validated) problem; checked before any work starts.
+  virtual Support supports(const ExpertsProblem& problem) const = 0;
+  // Scratch memory forward() needs, on the problem's device.
+  virtual std::size_t workspace_bytes(const ExpertsProblem& problem) const = 0;
+  // Writes out [T, H] (dtype of hidden_states, contiguous). workspace holds workspace_bytes().
+  virtual void forward(const ExpertsProblem& problem, Tensor& out, void* workspace, Stream stream) = 0;
+};
+
+// The registry of backends by name. The built-in backends are registered on first use; users add
+// their own with register_backend.
+class ExpertsInterface {
+ public:
+  static ExpertsInterface& global();
+
+  // Throws if the name is taken.
+  void register_backend(std::shared_ptr<ExpertsBackend> backend);
+  // Throws with the list of valid names if there is no such backend.
+  ExpertsBackend& get(std::string_view name) const;
+  bool contains(std::string_view name) const;
+  std::vector<std::string> names() const;  // in registration order
+
+ private:
+  ExpertsInterface();
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+// Runs the named backend: validates the problem, asks the backend whether it supports it (throws
+// with the reason if not), sizes and allocates the workspace, and writes out (allocated when
+// undefined). Returns out.
+Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend = "grouped_mm",
+                       Tensor out = Tensor(), Stream stream = Stream());
+
+}  // namespace moekit

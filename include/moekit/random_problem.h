@@ -1,0 +1,36 @@
+// Random experts problems, for tests and benchmarks: deterministic from a seed.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/experts.h"
+
+namespace moekit {
+
+struct RandomProblemOptions {
+  int64_t tokens = 1;
+  int64_t hidden = 64;
+  int64_t intermediate = 32;
+  int64_t experts = 8;
+  int64_t top_k = 2;
+  DType dtype = DType::bf16;
+  DType index_dtype = DType::i64;
+  // f32, or the activation dtype (transformers passes both).
+  DType weights_dtype = DType::f32;
+  ExpertsConfig config;
+  uint64_t seed = 0;
+  // Routing: each token picks top_k distinct experts uniformly at random, unless one of these is set.
+  bool all_to_one_expert = false;   // every slot routes to expert 0 (the others stay empty)
+  double sentinel_fraction = 0.0;   // this fraction of slots gets an id >= E
+  int64_t used_experts = 0;         // > 0: route only among the first used_experts (others empty)
+  // Values: x ~ U(-1, 1); weights ~ U(-1, 1) / sqrt(fan_in) so activations stay O(1).
+  float input_scale = 1.0f;
+};
+
+// A problem on the CPU with freshly allocated tensors (never aliasing an earlier problem's memory).
+ExpertsProblem make_random_problem(const RandomProblemOptions& options);
+
+// Redraws the routing (ids and weights) of an existing problem in place, keeping the weights.
+void redraw_routing(ExpertsProblem& problem, const RandomProblemOptions& options, uint64_t seed);
+
+}  // namespace moekit

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what moekit needs to build and test on a fresh Debian machine, skipping what is present.
+# Idempotent; called by both README commands and by .ci/run.
+set -euo pipefail
+
+packages=(
+  cmake g++ make ninja-build pkg-config
+  libdnnl-dev          # oneDNN: CPU GEMMs
+  nlohmann-json3-dev   # JSON (safetensors headers, bench output)
+  libcli11-dev         # command-line flags
+  libgtest-dev         # tests
+  libbenchmark-dev     # micro-benchmarks
+  libomp-dev           # OpenMP runtime for clang (the fuzzer build)
+  clang                # libFuzzer target for the safetensors reader
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  as_root=()
+  [ "$(id -u)" -eq 0 ] || as_root=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${as_root[@]}" apt-get update -q
+  "${as_root[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all packages present"
+fi

@@ -1,0 +1,50 @@
+// deepgemm, deepgemm_megamoe and sonicmoe: registered by name so that users see them, and refused
+// with the reason until their Hopper kernels land. They never compute anything.
+#include <string>
+
+#include "moekit/backends/builtin_backends.h"
+
+namespace moekit::backends {
+namespace {
+
+class NotYetAvailableBackend final : public ExpertsBackend {
+ public:
+  NotYetAvailableBackend(std::string name, std::string description, std::string reason)
+      : name_(std::move(name)), description_(std::move(description)), reason_(std::move(reason)) {}
+  std::string_view name() const override { return name_; }
+  std::string_view description() const override { return description_; }
+  Support supports_device(Device) const override { return Support::no(reason_); }
+  Support supports(const ExpertsProblem&) const override { return Support::no(reason_); }
+  std::size_t workspace_bytes(const ExpertsProblem&) const override { return 0; }
+  void forward(const ExpertsProblem&, Tensor&, void*, Stream) override {
+    MOEKIT_FAIL("experts backend '", name_, "' is not available: ", reason_);
+  }
+
+ private:
+  std::string name_, description_, reason_;
+};
+
+}  // namespace
+
+std::shared_ptr<ExpertsBackend> make_deepgemm() {
+  return std::make_shared<NotYetAvailableBackend>(
+      "deepgemm", "TMA-aligned grouped GEMM for Hopper (sm_90a), bf16 and FP8 block-scaled experts",
+      "not supported on this device: needs a Hopper (sm_90a) GPU kernel that this version of moekit does not "
+      "have yet");
+}
+
+std::shared_ptr<ExpertsBackend> make_deepgemm_megamoe() {
+  return std::make_shared<NotYetAvailableBackend>(
+      "deepgemm_megamoe", "expert-parallel dispatch + gated MLP + combine fused across GPUs",
+      "not supported on this device: needs several GPUs with expert parallelism and a fused kernel that this "
+      "version of moekit does not have yet");
+}
+
+std::shared_ptr<ExpertsBackend> make_sonicmoe() {
+  return std::make_shared<NotYetAvailableBackend>(
+      "sonicmoe", "fused routed forward for Hopper: gather in the operand load, activation and combine fused",
+      "not supported on this device: needs a Hopper (sm_90a) GPU kernel that this version of moekit does not "
+      "have yet");
+}
+
+}  // namespace moekit::backends

@@ -1,0 +1,87 @@
+#include "moekit/dtype.h"
+
+#include <array>
+#include <cctype>
+#include <cmath>
+
+namespace moekit {
+namespace {
+
+struct DTypeInfo {
+  DType dtype;
+  std::string_view name;
+  std::string_view safetensors_name;
+  std::size_t size;
+  bool floating;
+};
+
+constexpr std::array<DTypeInfo, 9> kDTypes = {{
+    {DType::f32, "f32", "F32", 4, true},
+    {DType::f16, "f16", "F16", 2, true},
+    {DType::bf16, "bf16", "BF16", 2, true},
+    {DType::i32, "i32", "I32", 4, false},
+    {DType::i64, "i64", "I64", 8, false},
+    {DType::u8, "u8", "U8", 1, false},
+    {DType::f8_e4m3, "f8_e4m3", "F8_E4M3", 1, true},
+    {DType::f4_e2m1, "f4_e2m1", "F4", 1, true},
+    {DType::ue8m0, "ue8m0", "F8_E8M0", 1, true},
+}};
+
+const DTypeInfo& info(DType dtype) {
+  for (const auto& i : kDTypes)
+    if (i.dtype == dtype) return i;
+  MOEKIT_FAIL("unknown dtype code ", static_cast<int>(dtype));
+}
+
+}  // namespace
+
+std::string_view dtype_name(DType dtype) { return info(dtype).name; }
+std::size_t dtype_size(DType dtype) { return info(dtype).size; }
+bool is_floating(DType dtype) { return info(dtype).floating; }
+
+DType parse_dtype(std::string_view name) {
+  std::string lower;
+  for (char c : name) lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+  if (lower == "float32" || lower == "float") return DType::f32;
+  if (lower == "float16" || lower == "half") return DType::f16;
+  if (lower == "bfloat16") return DType::bf16;
+  if (lower == "int32") return DType::i32;
+  if (lower == "int64") return DType::i64;
+  for (const auto& i : kDTypes)
+    if (name == i.name || name == i.safetensors_name) return i.dtype;
+  std::string valid;
+  for (const auto& i : kDTypes) valid += std::string(valid.empty() ? "" : ", ") + std::string(i.name);
+  MOEKIT_FAIL("unknown dtype '", name, "'; valid: ", valid);
+}
+
+float to_float(f16 v) {
+  const uint32_t sign = (uint32_t{v.bits} & 0x8000u) << 16;
+  const uint32_t exponent = (v.bits >> 10) & 0x1fu;
+  const uint32_t mantissa = v.bits & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
+  return std::bit_cast<float>(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+template <>
+f16 from_float<f16>(float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return f16{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (abs >= 0x477ff000u) return f16{static_cast<uint16_t>(sign | 0x7c00u)};  // rounds to inf
+  if (abs < 0x38800000u) {
+    // Subnormal or zero in f16: round |v| * 2^24 to the nearest integer, ties to even.
+    const float scaled = std::bit_cast<float>(abs) * 16777216.0f;
+    return f16{static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(scaled)))};
+  }
+  // Normal: rebias the exponent and round the 13 dropped mantissa bits to nearest even.
+  uint32_t r = abs - (112u << 23);
+  r += 0xfffu + ((r >> 13) & 1u);
+  return f16{static_cast<uint16_t>(sign | (r >> 13))};
+}
+
+}  // namespace moekit

@@ -1,0 +1,13 @@
+// The moekit command-line tool: each subcommand registers its flags (name, default, help, once) and
+// its action on the app. The tool uses only the public API in include/moekit/.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace moekit::cli {
+
+void add_backends_command(CLI::App& app);
+void add_experts_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
+
+}  // namespace moekit::cli

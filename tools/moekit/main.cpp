@@ -1,0 +1,25 @@
+#include <cstdio>
+#include <exception>
+
+#include "moekit/commands.h"
+#include "moekit/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moekit: Mixture-of-Experts expert layers through interchangeable backends"};
+  app.require_subcommand(1);
+  moekit::cli::add_backends_command(app);
+  moekit::cli::add_experts_command(app);
+  moekit::cli::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const moekit::Error& e) {
+    std::fprintf(stderr, "moekit: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moekit: unexpected error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
