@@ -1,15 +1,116 @@
+// batched_mm on the CPU: every (token, expert) pair is multiplied by its own expert's weights where
+// they lie (no copies, no packing), as a pair of matrix-vector products. Built for few tokens
+// (decode), where reading the chosen experts' weights once is all the work there is. Memory is
+// bounded at any token count: tokens run in blocks, each block's pairs in a fixed-size workspace.
+#include <algorithm>
+
 #include "moekit/backends/builtin_backends.h"
+#include "moekit/backends/cpu_expert_rows.h"
+#include "moekit/cpu/activation_math.h"
+#include "moekit/cpu/gemv.h"
+
 namespace moekit::backends {
 namespace {
-class Placeholder final : public ExpertsBackend {
+
+constexpr int64_t kTokensPerBlock = 16;
+// Output rows per task: 128 rows of a 2048-wide bf16 expert are 512 KB of weights, enough work
+// to hide a task's start while giving both cores several tasks even for a single pair.
+constexpr int64_t kRowsPerTask = 128;
+
+class BatchedMmCpu final : public ExpertsBackend {
  public:
   std::string_view name() const override { return "batched_mm"; }
-  std::string_view description() const override { return "placeholder"; }
-  Support supports_device(Device) const override { return Support::no("placeholder"); }
-  Support supports(const ExpertsProblem&) const override { return Support::no("placeholder"); }
-  std::size_t workspace_bytes(const ExpertsProblem&) const override { return 0; }
-  void forward(const ExpertsProblem&, Tensor&, void*, Stream) override { MOEKIT_FAIL("placeholder"); }
+  std::string_view description() const override {
+    return "one product per (token, expert) pair with that expert's weights in place; best for few tokens";
+  }
+  Support supports_device(Device device) const override {
+    if (device.is_cpu()) return Support::yes();
+    return Support::no("the CUDA batched_mm lands with the GPU backends; this build runs it on the CPU only");
+  }
+  Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
+
+  std::size_t workspace_bytes(const ExpertsProblem& p) const override {
+    const ExpertsShape s = validate(p);
+    const int64_t n = p.config.has_gate ? 2 * s.intermediate : s.intermediate;
+    const int64_t block = std::min(s.tokens, kTokensPerBlock);
+    // x rows in float, then per pair: projected, hidden and down outputs in float.
+    return static_cast<std::size_t>(block * s.hidden + block * s.top_k * (n + s.intermediate + s.hidden)) *
+           sizeof(float);
+  }
+
+  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream) override {
+    const cpu::ExpertLayout layout(p);
+    const int64_t T = p.hidden_states.size(0), K = p.top_k_index.size(1);
+    const int64_t H = layout.hidden, I = layout.intermediate, N = layout.up_outputs;
+    std::vector<int64_t> expert_of_pair;
+    const std::vector<int64_t> pair_row = cpu::pairs_in_token_order(p.top_k_index, layout.experts, expert_of_pair);
+    const int64_t block = std::min(T, kTokensPerBlock);
+    float* x = static_cast<float*>(workspace);
+    float* projected = x + block * H;
+    float* hidden = projected + block * K * N;
+    float* down = hidden + block * K * I;
+
+    visit_float_dtype(p.hidden_states.dtype(), [&](auto tag) {
+      using A = typename decltype(tag)::type;
+      const A* xs = static_cast<const A*>(p.hidden_states.data());
+      for (int64_t t0 = 0; t0 < T; t0 += block) {
+        const int64_t tb = std::min(block, T - t0);
+        for (int64_t i = 0; i < tb * H; ++i) x[i] = to_float(xs[t0 * H + i]);
+        // Pairs of this block routed to a real expert.
+        std::vector<int64_t> pairs;
+        for (int64_t q = t0 * K; q < (t0 + tb) * K; ++q)
+          if (expert_of_pair[static_cast<std::size_t>(q)] >= 0) pairs.push_back(q);
+        const auto P = static_cast<int64_t>(pairs.size());
+        auto expert = [&](int64_t i) { return expert_of_pair[static_cast<std::size_t>(pairs[i])]; };
+        auto local = [&](int64_t i) { return pairs[static_cast<std::size_t>(i)] - t0 * K; };
+
+        // Up (or gate and up) projection, then bias and activation per pair.
+        const int64_t up_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+#pragma omp parallel for schedule(dynamic)
+        for (int64_t task = 0; task < P * up_tasks; ++task) {
+          const int64_t i = task / up_tasks, n0 = task % up_tasks * kRowsPerTask;
+          const int64_t nn = std::min(kRowsPerTask, N - n0);
+          const int64_t q = local(i);
+          const float* xt = x + (q / K) * H;
+          const cpu::MatrixView w = layout.up_matrix(expert(i));
+          float* y = projected + q * N + n0;
+          if (layout.is_transposed)
+            cpu::gemv_cols(static_cast<const A*>(w.at(n0, 0)), N, xt, y, nn, H);
+          else
+            cpu::gemv_rows(static_cast<const A*>(w.row(n0)), H, xt, y, nn, H);
+        }
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < P; ++i) {
+          const int64_t q = local(i);
+          float* g = projected + q * N;
+          cpu::add_bias(layout.gate_up_bias, expert(i), 0, N, g);
+          const int64_t gate_stride = layout.is_concatenated ? 1 : 2;
+          cpu::apply_activation(p.config, g + layout.gate_column(0), gate_stride, g + layout.up_column(0),
+                                gate_stride, I, hidden + q * I);
+        }
+        // Down projection, then bias.
+        const int64_t down_tasks = (H + kRowsPerTask - 1) / kRowsPerTask;
+#pragma omp parallel for schedule(dynamic)
+        for (int64_t task = 0; task < P * down_tasks; ++task) {
+          const int64_t i = task / down_tasks, h0 = task % down_tasks * kRowsPerTask;
+          const int64_t hn = std::min(kRowsPerTask, H - h0);
+          const int64_t q = local(i);
+          const cpu::MatrixView w = layout.down_matrix(expert(i));
+          float* y = down + q * H + h0;
+          if (layout.is_transposed)
+            cpu::gemv_cols(static_cast<const A*>(w.at(h0, 0)), H, hidden + q * I, y, hn, I);
+          else
+            cpu::gemv_rows(static_cast<const A*>(w.row(h0)), I, hidden + q * I, y, hn, I);
+          cpu::add_bias(layout.down_bias, expert(i), h0, hn, y);
+        }
+        cpu::combine_weighted(p, pair_row, down, H, t0, t0 + tb, t0 * K, out);
+      }
+    });
+  }
 };
+
 }  // namespace
-std::shared_ptr<ExpertsBackend> make_batched_mm() { return std::make_shared<Placeholder>(); }
+
+std::shared_ptr<ExpertsBackend> make_batched_mm() { return std::make_shared<BatchedMmCpu>(); }
+
 }  // namespace moekit::backends

@@ -1,15 +1,217 @@
+// grouped_mm on the CPU: pairs sorted by expert, then one grouped product per projection over
+// (expert, row block, column chunk) tasks shared by all threads. Each expert's weights are packed
+// once into oneDNN's blocked layout (kept with the weight tensor's storage, so they live as long as
+// the weights do) and reused by every call. The first projection's chunks hold gate and up columns
+// of the same intermediate columns side by side, so the activation runs right after each chunk's
+// product while its output is still in cache.
+#include <algorithm>
+#include <sstream>
+
 #include "moekit/backends/builtin_backends.h"
+#include "moekit/backends/cpu_expert_rows.h"
+#include "moekit/cpu/activation_math.h"
+
 namespace moekit::backends {
 namespace {
-class Placeholder final : public ExpertsBackend {
+
+// Intermediate columns per first-projection chunk (gate and up: 256 packed columns) and hidden
+// columns per down-projection chunk: wide enough for oneDNN's kernels, narrow enough that an
+// expert gives both threads several tasks.
+constexpr int64_t kUpChunk = 128;
+constexpr int64_t kDownChunk = 256;
+// Rows per product: larger blocks reuse each packed chunk more while it is in cache.
+constexpr int64_t kRowBlock = 512;
+// Row counts above this are rounded up to a multiple of kRowRound (reading zeroed pad rows) so that
+// only a few product shapes are ever compiled; small counts (decode) run exactly.
+constexpr int64_t kExactRows = 8;
+constexpr int64_t kRowRound = 16;
+
+int64_t rows_to_run(int64_t rows) { return rows <= kExactRows ? rows : (rows + kRowRound - 1) / kRowRound * kRowRound; }
+
+// One projection of every expert, packed in column chunks: chunks[e * per_expert + c].
+struct PackedProjection {
+  int64_t per_expert = 0;
+  std::vector<std::unique_ptr<cpu::PackedWeights>> chunks;
+  const cpu::PackedWeights& at(int64_t e, int64_t c) const { return *chunks[static_cast<std::size_t>(e * per_expert + c)]; }
+};
+
+std::string pack_key(const char* what, const Tensor& w, const cpu::ExpertLayout& l, cpu::GemmDType g) {
+  std::ostringstream os;
+  os << "grouped_mm/" << what << "/" << static_cast<int>(g) << "/" << w.storage_offset_bytes() << "/"
+     << shape_string(w.shape()) << "/" << dtype_name(w.dtype()) << "/" << l.has_gate << l.is_concatenated
+     << l.is_transposed;
+  return os.str();
+}
+
+// Packs chunk c of every expert in parallel; outputs_of(c) lists the weight rows of chunk c in order.
+template <typename MatrixOf, typename Outputs>
+std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t k_len, DType w_dtype,
+                                       cpu::GemmDType g, MatrixOf&& matrix_of, Outputs&& outputs_of) {
+  auto packed = std::make_shared<PackedProjection>();
+  packed->per_expert = chunks;
+  packed->chunks.resize(static_cast<std::size_t>(experts * chunks));
+#pragma omp parallel
+  {
+    std::vector<char> rows;
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < experts * chunks; ++task) {
+      const int64_t e = task / chunks, c = task % chunks;
+      const std::vector<int64_t> outputs = outputs_of(c);
+      rows.resize(outputs.size() * static_cast<std::size_t>(k_len) * cpu::gemm_dtype_size(g));
+      cpu::gather_weight_rows(matrix_of(e), w_dtype, outputs, k_len, g, rows.data());
+      packed->chunks[static_cast<std::size_t>(task)] =
+          std::make_unique<cpu::PackedWeights>(rows.data(), static_cast<int64_t>(outputs.size()), k_len, g);
+    }
+  }
+  return packed;
+}
+
+struct GroupedSizes {
+  int64_t max_rows, H, I;
+  cpu::GemmDType gemm;
+  std::size_t x_bytes, hidden_bytes, y_bytes;
+};
+
+GroupedSizes grouped_sizes(const ExpertsProblem& p) {
+  const ExpertsShape s = validate(p);
+  GroupedSizes z;
+  z.max_rows = s.tokens * s.top_k;
+  z.H = s.hidden;
+  z.I = s.intermediate;
+  z.gemm = cpu::gemm_dtype_for(p.hidden_states.dtype());
+  const std::size_t g = cpu::gemm_dtype_size(z.gemm);
+  auto round = [](std::size_t b) { return (b + 63) / 64 * 64; };
+  // Activations and hidden rows carry kRowRound pad rows for the rounded-up products.
+  z.x_bytes = round(static_cast<std::size_t>((z.max_rows + kRowRound) * z.H) * g);
+  z.hidden_bytes = round(static_cast<std::size_t>((z.max_rows + kRowRound) * z.I) * g);
+  z.y_bytes = round(static_cast<std::size_t>(z.max_rows * z.H) * sizeof(float));
+  return z;
+}
+
+class GroupedMmCpu final : public ExpertsBackend {
  public:
   std::string_view name() const override { return "grouped_mm"; }
-  std::string_view description() const override { return "placeholder"; }
-  Support supports_device(Device) const override { return Support::no("placeholder"); }
-  Support supports(const ExpertsProblem&) const override { return Support::no("placeholder"); }
-  std::size_t workspace_bytes(const ExpertsProblem&) const override { return 0; }
-  void forward(const ExpertsProblem&, Tensor&, void*, Stream) override { MOEKIT_FAIL("placeholder"); }
+  std::string_view description() const override {
+    return "pairs sorted by expert, one grouped product per projection over packed weights; best for many tokens";
+  }
+  Support supports_device(Device device) const override {
+    if (device.is_cpu()) return Support::yes();
+    return Support::no("the CUDA grouped_mm lands with the GPU backends; this build runs it on the CPU only");
+  }
+  Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
+  std::size_t workspace_bytes(const ExpertsProblem& p) const override {
+    const GroupedSizes z = grouped_sizes(p);
+    return z.x_bytes + z.hidden_bytes + z.y_bytes;
+  }
+
+  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream) override {
+    const cpu::ExpertLayout layout(p);
+    const GroupedSizes z = grouped_sizes(p);
+    const cpu::ExpertRouting routing = cpu::route_by_expert(p.top_k_index, layout.experts);
+    const int64_t E = layout.experts, H = z.H, I = z.I;
+    const std::size_t g = cpu::gemm_dtype_size(z.gemm);
+    const int64_t up_chunks = (I + kUpChunk - 1) / kUpChunk, down_chunks = (H + kDownChunk - 1) / kDownChunk;
+    const auto up = packed_up(layout, p.gate_up_proj.dtype(), z.gemm, up_chunks);
+    const auto down = packed_down(layout, p.down_proj.dtype(), z.gemm, down_chunks);
+
+    char* x = static_cast<char*>(workspace);
+    char* hidden = x + z.x_bytes;
+    auto* y = reinterpret_cast<float*>(hidden + z.hidden_bytes);
+    const int64_t rows = routing.rows();
+    cpu::gather_rows(p.hidden_states, routing.row_token, z.gemm, x);
+    std::fill(x + static_cast<std::size_t>(rows * H) * g, x + static_cast<std::size_t>((rows + kRowRound) * H) * g, 0);
+    std::fill(hidden + static_cast<std::size_t>(rows * I) * g,
+              hidden + static_cast<std::size_t>((rows + kRowRound) * I) * g, 0);
+
+    // (expert, first row, row count) blocks of the sorted rows.
+    struct Block {
+      int64_t e, first, rows;
+    };
+    std::vector<Block> blocks;
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < routing.rows_of(e); r += kRowBlock)
+        blocks.push_back({e, routing.offsets[e] + r, std::min(kRowBlock, routing.rows_of(e) - r)});
+    const auto n_blocks = static_cast<int64_t>(blocks.size());
+
+#pragma omp parallel
+    {
+      std::vector<float> scratch(static_cast<std::size_t>(rows_to_run(kRowBlock) * std::max(2 * kUpChunk, kDownChunk)));
+#pragma omp for schedule(dynamic)
+      for (int64_t task = 0; task < n_blocks * up_chunks; ++task) {
+        const Block& b = blocks[static_cast<std::size_t>(task / up_chunks)];
+        const int64_t c = task % up_chunks, j0 = c * kUpChunk, width = std::min(kUpChunk, I - j0);
+        const cpu::PackedWeights& w = up->at(b.e, c);
+        const int64_t cols = w.n();  // 2 * width with a gate, width without
+        w.multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(), cols);
+        for (int64_t r = 0; r < b.rows; ++r) {
+          float* row = scratch.data() + r * cols;
+          if (layout.has_bias) {
+            for (int64_t j = 0; j < width; ++j) {
+              cpu::add_bias(layout.gate_up_bias, b.e, layout.has_gate ? layout.gate_column(j0 + j) : j0 + j, 1, row + j);
+              if (layout.has_gate) cpu::add_bias(layout.gate_up_bias, b.e, layout.up_column(j0 + j), 1, row + width + j);
+            }
+          }
+          char* dst = hidden + static_cast<std::size_t>((b.first + r) * I + j0) * g;
+          if (z.gemm == cpu::GemmDType::bf16)
+            cpu::apply_activation(p.config, row, 1, row + width, 1, width, reinterpret_cast<bf16*>(dst));
+          else
+            cpu::apply_activation(p.config, row, 1, row + width, 1, width, reinterpret_cast<float*>(dst));
+        }
+      }
+      // The implicit barrier above: every hidden row is complete before the down projection.
+#pragma omp for schedule(dynamic)
+      for (int64_t task = 0; task < n_blocks * down_chunks; ++task) {
+        const Block& b = blocks[static_cast<std::size_t>(task / down_chunks)];
+        const int64_t h0 = task % down_chunks * kDownChunk;
+        const cpu::PackedWeights& w = down->at(b.e, task % down_chunks);
+        const int64_t cols = w.n();
+        w.multiply(hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), scratch.data(), cols);
+        for (int64_t r = 0; r < b.rows; ++r) {
+          float* dst = y + (b.first + r) * H + h0;
+          std::copy(scratch.data() + r * cols, scratch.data() + (r + 1) * cols, dst);
+          cpu::add_bias(layout.down_bias, b.e, h0, cols, dst);
+        }
+      }
+    }
+    cpu::combine_weighted(p, routing.pair_row, y, H, 0, routing.tokens, 0, out);
+  }
+
+ private:
+  static std::shared_ptr<PackedProjection> packed_up(const cpu::ExpertLayout& l, DType w_dtype, cpu::GemmDType g,
+                                                     int64_t chunks) {
+    auto made = l.gate_up.storage()->attachment(pack_key("up", l.gate_up, l, g), [&]() -> std::shared_ptr<void> {
+      return pack(
+          l.experts, chunks, l.hidden, w_dtype, g, [&](int64_t e) { return l.up_matrix(e); },
+          [&](int64_t c) {
+            const int64_t j0 = c * kUpChunk, width = std::min(kUpChunk, l.intermediate - j0);
+            std::vector<int64_t> outputs;
+            for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.has_gate ? l.gate_column(j) : j);
+            if (l.has_gate)
+              for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.up_column(j));
+            return outputs;
+          });
+    });
+    return std::static_pointer_cast<PackedProjection>(made);
+  }
+
+  static std::shared_ptr<PackedProjection> packed_down(const cpu::ExpertLayout& l, DType w_dtype, cpu::GemmDType g,
+                                                       int64_t chunks) {
+    auto made = l.down.storage()->attachment(pack_key("down", l.down, l, g), [&]() -> std::shared_ptr<void> {
+      return pack(
+          l.experts, chunks, l.intermediate, w_dtype, g, [&](int64_t e) { return l.down_matrix(e); },
+          [&](int64_t c) {
+            const int64_t h0 = c * kDownChunk, width = std::min(kDownChunk, l.hidden - h0);
+            std::vector<int64_t> outputs;
+            for (int64_t h = h0; h < h0 + width; ++h) outputs.push_back(h);
+            return outputs;
+          });
+    });
+    return std::static_pointer_cast<PackedProjection>(made);
+  }
 };
+
 }  // namespace
-std::shared_ptr<ExpertsBackend> make_grouped_mm() { return std::make_shared<Placeholder>(); }
+
+std::shared_ptr<ExpertsBackend> make_grouped_mm() { return std::make_shared<GroupedMmCpu>(); }
+
 }  // namespace moekit::backends

@@ -1,0 +1,141 @@
+#include "moekit/backends/cpu_expert_rows.h"
+
+namespace moekit::cpu {
+
+ExpertLayout::ExpertLayout(const ExpertsProblem& p) {
+  const ExpertsShape s = validate(p);
+  hidden = s.hidden;
+  intermediate = s.intermediate;
+  experts = s.experts;
+  has_gate = p.config.has_gate;
+  up_outputs = has_gate ? 2 * intermediate : intermediate;
+  // Without a gate there is nothing to interleave: the flag does not apply.
+  is_concatenated = !has_gate || p.config.is_concatenated;
+  is_transposed = p.config.is_transposed;
+  has_bias = p.config.has_bias;
+  gate_up = p.gate_up_proj;
+  down = p.down_proj;
+  gate_up_bias = p.gate_up_proj_bias;
+  down_bias = p.down_proj_bias;
+}
+
+MatrixView ExpertLayout::up_matrix(int64_t e) const {
+  MatrixView v;
+  v.element_bytes = dtype_size(gate_up.dtype());
+  v.base = static_cast<const char*>(gate_up.data()) + static_cast<std::size_t>(e * up_outputs * hidden) * v.element_bytes;
+  v.stride_out = is_transposed ? 1 : hidden;
+  v.stride_in = is_transposed ? up_outputs : 1;
+  return v;
+}
+
+MatrixView ExpertLayout::down_matrix(int64_t e) const {
+  MatrixView v;
+  v.element_bytes = dtype_size(down.dtype());
+  v.base = static_cast<const char*>(down.data()) + static_cast<std::size_t>(e * hidden * intermediate) * v.element_bytes;
+  v.stride_out = is_transposed ? 1 : intermediate;
+  v.stride_in = is_transposed ? hidden : 1;
+  return v;
+}
+
+void combine_weighted(const ExpertsProblem& p, const std::vector<int64_t>& pair_row, const float* y, int64_t ldy,
+                      int64_t t_begin, int64_t t_end, int64_t row_base, Tensor& out) {
+  const int64_t H = out.size(1), K = p.top_k_index.size(1);
+  visit_float_dtype(out.dtype(), [&](auto out_tag) {
+    using O = typename decltype(out_tag)::type;
+    visit_float_dtype(p.top_k_weights.dtype(), [&](auto w_tag) {
+      using W = typename decltype(w_tag)::type;
+      O* o = static_cast<O*>(out.data());
+      const W* w = static_cast<const W*>(p.top_k_weights.data());
+#pragma omp parallel for schedule(static)
+      for (int64_t t = t_begin; t < t_end; ++t) {
+        float acc[256];
+        for (int64_t h0 = 0; h0 < H; h0 += 256) {
+          const int64_t hn = std::min<int64_t>(256, H - h0);
+          for (int64_t h = 0; h < hn; ++h) acc[h] = 0.0f;
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t row = pair_row[static_cast<std::size_t>(t * K + k)];
+            if (row < 0) continue;
+            const float wk = to_float(w[t * K + k]);
+            const float* yr = y + (row - row_base) * ldy + h0;
+#pragma omp simd
+            for (int64_t h = 0; h < hn; ++h) acc[h] += wk * yr[h];
+          }
+          for (int64_t h = 0; h < hn; ++h) o[t * H + h0 + h] = from_float<O>(acc[h]);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace moekit::cpu
+
+namespace moekit::cpu {
+
+void add_bias(const Tensor& bias, int64_t e, int64_t first, int64_t n, float* y) {
+  if (!bias.defined()) return;
+  const int64_t width = bias.size(1);
+  visit_float_dtype(bias.dtype(), [&](auto tag) {
+    using B = typename decltype(tag)::type;
+    const B* b = static_cast<const B*>(bias.data()) + e * width + first;
+    for (int64_t j = 0; j < n; ++j) y[j] += to_float(b[j]);
+  });
+}
+
+std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t experts,
+                                          std::vector<int64_t>& expert_of_pair) {
+  const ExpertRouting r = route_by_expert(top_k_index, experts);
+  const int64_t pairs = r.tokens * r.top_k;
+  std::vector<int64_t> pair_row(static_cast<std::size_t>(pairs), -1);
+  expert_of_pair.assign(static_cast<std::size_t>(pairs), -1);
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t row = r.offsets[e]; row < r.offsets[e + 1]; ++row) {
+      const int64_t pair = r.row_pair[static_cast<std::size_t>(row)];
+      pair_row[static_cast<std::size_t>(pair)] = pair;
+      expert_of_pair[static_cast<std::size_t>(pair)] = e;
+    }
+  return pair_row;
+}
+
+}  // namespace moekit::cpu
+
+namespace moekit::cpu {
+
+void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst) {
+  const int64_t H = hidden_states.size(1);
+  const auto rows = static_cast<int64_t>(row_token.size());
+  visit_float_dtype(hidden_states.dtype(), [&](auto tag) {
+    using A = typename decltype(tag)::type;
+    const A* x = static_cast<const A*>(hidden_states.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const A* src = x + row_token[static_cast<std::size_t>(r)] * H;
+      if (dtype == GemmDType::bf16) {
+        bf16* d = static_cast<bf16*>(dst) + r * H;
+        for (int64_t h = 0; h < H; ++h) d[h] = from_float<bf16>(to_float(src[h]));
+      } else {
+        float* d = static_cast<float*>(dst) + r * H;
+        for (int64_t h = 0; h < H; ++h) d[h] = to_float(src[h]);
+      }
+    }
+  });
+}
+
+void gather_weight_rows(const MatrixView& w, DType w_dtype, const std::vector<int64_t>& outputs, int64_t k_len,
+                        GemmDType dtype, void* dst) {
+  visit_float_dtype(w_dtype, [&](auto tag) {
+    using W = typename decltype(tag)::type;
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      const W* row = static_cast<const W*>(w.row(outputs[i]));
+      const auto base = static_cast<int64_t>(i) * k_len;
+      if (dtype == GemmDType::bf16) {
+        bf16* d = static_cast<bf16*>(dst) + base;
+        for (int64_t k = 0; k < k_len; ++k) d[k] = from_float<bf16>(to_float(row[k * w.stride_in]));
+      } else {
+        float* d = static_cast<float*>(dst) + base;
+        for (int64_t k = 0; k < k_len; ++k) d[k] = to_float(row[k * w.stride_in]);
+      }
+    }
+  });
+}
+
+}  // namespace moekit::cpu

@@ -1,0 +1,74 @@
+// Pieces the CPU backends (eager, batched_mm, grouped_mm) share: where each expert's weights and biases live whatever the layout
+// flags, and the deterministic weighted combine.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/backends/cpu_routing.h"
+#include "moekit/cpu/onednn_matmul.h"
+#include "moekit/experts.h"
+
+namespace moekit::cpu {
+
+// One projection of one expert seen as an [out, in] matrix: element (n, k) is at
+// base[n * stride_out + k * stride_in] in elements of the weight dtype.
+struct MatrixView {
+  const char* base = nullptr;
+  int64_t stride_out = 0, stride_in = 0;
+  std::size_t element_bytes = 0;
+
+  const void* row(int64_t n) const { return base + static_cast<std::size_t>(n * stride_out) * element_bytes; }
+  const void* at(int64_t n, int64_t k) const {
+    return base + static_cast<std::size_t>(n * stride_out + k * stride_in) * element_bytes;
+  }
+};
+
+// The layout of a problem's expert weights (DESIGN §2 flags resolved once).
+struct ExpertLayout {
+  int64_t hidden = 0, intermediate = 0, experts = 0;
+  int64_t up_outputs = 0;  // 2I with a gate, I without
+  bool has_gate = true, is_concatenated = true, is_transposed = false, has_bias = false;
+  Tensor gate_up, down, gate_up_bias, down_bias;
+
+  explicit ExpertLayout(const ExpertsProblem& p);
+
+  // gate_up_proj (or up_proj) of expert e as [up_outputs, H].
+  MatrixView up_matrix(int64_t e) const;
+  // down_proj of expert e as [H, I].
+  MatrixView down_matrix(int64_t e) const;
+  // Output columns of the first projection holding gate j and up j.
+  int64_t gate_column(int64_t j) const { return is_concatenated ? j : 2 * j; }
+  int64_t up_column(int64_t j) const { return is_concatenated ? intermediate + j : 2 * j + 1; }
+};
+
+// out[t] = sum_k w[t, k] * y[pair_row[t * K + k] - row_base] for t in [t_begin, t_end), in float,
+// k = 0..K-1 in order; sentinel slots (pair_row -1) add nothing. y holds one float row of length H
+// (stride ldy) per routed pair with the down bias already added.
+void combine_weighted(const ExpertsProblem& p, const std::vector<int64_t>& pair_row, const float* y, int64_t ldy,
+                      int64_t t_begin, int64_t t_end, int64_t row_base, Tensor& out);
+
+}  // namespace moekit::cpu
+
+namespace moekit::cpu {
+
+// y[j] += bias[e, first + j] for j in [0, n) (bias in its own dtype); nothing for an undefined bias.
+void add_bias(const Tensor& bias, int64_t e, int64_t first, int64_t n, float* y);
+
+// Reads the ids [T, K] into pair order: pair_row[t * K + k] = t * K + k, or -1 for a sentinel (>= E).
+// Negative ids throw, naming the token and slot.
+std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t experts, std::vector<int64_t>& expert_of_pair);
+
+}  // namespace moekit::cpu
+
+namespace moekit::cpu {
+
+// dst [rows, H] in the gemm dtype (see onednn_matmul.h) = hidden_states[row_token[row]], converted.
+// Runs on all threads.
+void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst);
+
+// dst [count, k_len] in the gemm dtype: row i = output row outputs[i] of the weight matrix w (of
+// dtype w_dtype), converted. How weights in any layout become the rows oneDNN packs.
+void gather_weight_rows(const MatrixView& w, DType w_dtype, const std::vector<int64_t>& outputs, int64_t k_len,
+                        GemmDType dtype, void* dst);
+
+}  // namespace moekit::cpu

@@ -1,0 +1,14 @@
+// The two builds of the gemv kernels: portable (gemv.cpp) and AVX-512 (gemv_avx512.cpp, compiled
+// for that ISA). gemv.cpp dispatches between them; nothing else includes this header.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/dtype.h"
+
+namespace moekit::cpu::avx512 {
+template <typename W>
+void gemv_rows(const W* w, int64_t ldw, const float* x, float* y, int64_t n_rows, int64_t k_len);
+template <typename W>
+void gemv_cols(const W* w, int64_t ldw, const float* x, float* y, int64_t n_cols, int64_t k_len);
+}  // namespace moekit::cpu::avx512
