@@ -1,1 +1,84 @@
-# CLI tests
+# Tests of the `moekit` command-line tool.
+#
+# This file has two roles. Included from tests/CMakeLists.txt it declares the tests. Run as a script it
+# is their checker, because ctest's PASS_REGULAR_EXPRESSION passes when any one pattern matches and then
+# ignores the exit status:
+#   cmake -DEXPECT=success|failure -P cli_tests.cmake -- [PATTERNS regex...] RUN program args...
+# runs the program and passes when its exit status is as expected and its output (stdout and stderr)
+# matches every pattern.
+if(CMAKE_SCRIPT_MODE_FILE)
+  set(patterns)
+  set(command)
+  set(section)
+  set(after_separator FALSE)
+  math(EXPR last "${CMAKE_ARGC} - 1")
+  foreach(i RANGE ${last})
+    set(arg "${CMAKE_ARGV${i}}")
+    if(NOT after_separator)
+      if(arg STREQUAL "--")
+        set(after_separator TRUE)
+      endif()
+    elseif(section STREQUAL "RUN")
+      list(APPEND command "${arg}")
+    elseif(arg STREQUAL "PATTERNS" OR arg STREQUAL "RUN")
+      set(section "${arg}")
+    elseif(section STREQUAL "PATTERNS")
+      list(APPEND patterns "${arg}")
+    else()
+      message(FATAL_ERROR "cli_tests.cmake: unexpected argument '${arg}' before PATTERNS or RUN")
+    endif()
+  endforeach()
+  if(NOT command)
+    message(FATAL_ERROR "cli_tests.cmake: no RUN command given")
+  endif()
+
+  execute_process(COMMAND ${command} OUTPUT_VARIABLE output ERROR_VARIABLE output RESULT_VARIABLE status)
+  string(JOIN " " command_line ${command})
+  message("$ ${command_line}\n${output}(exit status ${status})")
+  if(EXPECT STREQUAL "success" AND NOT status EQUAL 0)
+    message(FATAL_ERROR "expected success, got exit status ${status}")
+  elseif(EXPECT STREQUAL "failure" AND (status EQUAL 0 OR NOT status MATCHES "^[0-9]+$"))
+    # A status that is not a number means the program crashed: a failure, but not the clean one we want.
+    message(FATAL_ERROR "expected a clean failure (non-zero exit status), got '${status}'")
+  elseif(NOT EXPECT MATCHES "^(success|failure)$")
+    message(FATAL_ERROR "cli_tests.cmake: EXPECT must be success or failure, got '${EXPECT}'")
+  endif()
+  foreach(pattern IN LISTS patterns)
+    if(NOT output MATCHES "${pattern}")
+      message(FATAL_ERROR "output does not match '${pattern}'")
+    endif()
+  endforeach()
+  return()
+endif()
+
+# add_cli_test(NAME EXPECT success|failure [PATTERNS regex...] ARGS args...)
+function(add_cli_test name)
+  cmake_parse_arguments(PARSE_ARGV 1 cli "" "EXPECT" "PATTERNS;ARGS")
+  add_test(NAME ${name}
+           COMMAND ${CMAKE_COMMAND} -DEXPECT=${cli_EXPECT} -P ${CMAKE_CURRENT_FUNCTION_LIST_FILE} --
+                   PATTERNS ${cli_PATTERNS} RUN $<TARGET_FILE:moekit_cli> ${cli_ARGS})
+endfunction()
+
+# Every built-in backend is listed, with whether it runs here ("name   yes|no").
+set(backend_names eager batched_mm grouped_mm deepgemm deepgemm_megamoe sonicmoe)
+set(backend_rows)
+foreach(name IN LISTS backend_names)
+  list(APPEND backend_rows "${name} +(yes|no) ")
+endforeach()
+add_cli_test(cli_backends EXPECT success PATTERNS ${backend_rows} ARGS backends)
+
+# A misspelt backend is reported with the valid names, before the (missing) input file is read.
+add_cli_test(cli_experts_unknown_backend EXPECT failure
+             PATTERNS "unknown experts backend 'no_such_backend'"
+                      "valid: eager, batched_mm, grouped_mm, deepgemm, deepgemm_megamoe, sonicmoe"
+             ARGS experts --input does_not_exist.safetensors --backend no_such_backend --output unused.safetensors)
+
+add_cli_test(cli_experts_help EXPECT success PATTERNS "--input" "--backend" "--device" "--output"
+             ARGS experts --help)
+add_cli_test(cli_experts_needs_input EXPECT failure PATTERNS "--input is required"
+             ARGS experts --backend eager --output unused.safetensors)
+
+# The round trip through `moekit experts` (write a problem, run the binary, compare with the reference)
+# lives in test_safetensors.cpp (CliExperts*), which runs the binary at this path.
+target_compile_definitions(moekit_tests PRIVATE MOEKIT_CLI_PATH="$<TARGET_FILE:moekit_cli>")
+add_dependencies(moekit_tests moekit_cli)

@@ -122,9 +122,11 @@ class ExpertsInterface {
 };
 
 // Runs the named backend: validates the problem, asks the backend whether it supports it (throws
-// with the reason if not), sizes and allocates the workspace, and writes out (allocated when
-// undefined). Returns out.
+// with the reason if not), sizes the workspace, and writes out (allocated when undefined). Returns
+// out. Pass a workspace of at least workspace_bytes(problem) bytes (any dtype, on the problem's
+// device) to run with no allocation at all, e.g. inside a CUDA graph capture; otherwise one is
+// allocated for the call.
 Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend = "grouped_mm",
-                       Tensor out = Tensor(), Stream stream = Stream());
+                       Tensor out = Tensor(), Stream stream = Stream(), Tensor workspace = Tensor());
 
 }  // namespace moekit

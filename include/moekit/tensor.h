@@ -29,6 +29,11 @@ struct Device {
 };
 
 std::string device_name(Device device);  // "cpu", "cuda:0"
+// Whether this build and machine can use the device (CUDA built in and such a GPU visible); if not,
+// why_not says why.
+bool device_available(Device device, std::string* why_not = nullptr);
+// Waits until all work queued on the device is done (nothing on the CPU).
+void synchronize(Device device);
 Device parse_device(std::string_view name);
 
 // A block of memory and what frees it. Derived data computed from the bytes (packed copies of expert
@@ -73,6 +78,9 @@ class Tensor {
   // A view of memory the caller owns and keeps alive; strides in elements (empty = contiguous).
   static Tensor from_blob(void* data, Shape shape, DType dtype, Device device = Device::cpu(),
                           Shape strides = {});
+  // A contiguous view of `shape` starting offset_bytes into a storage whose deleter keeps the bytes
+  // alive (a file mapping, say); the bytes must lie inside the storage.
+  static Tensor from_storage(std::shared_ptr<Storage> storage, std::size_t offset_bytes, Shape shape, DType dtype);
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }

@@ -6,6 +6,7 @@
 
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
+#include "moekit/backends/cuda_dispatch.h"
 #include "moekit/cpu/activation_math.h"
 #include "moekit/cpu/gemv.h"
 
@@ -24,12 +25,26 @@ class BatchedMmCpu final : public ExpertsBackend {
     return "one product per (token, expert) pair with that expert's weights in place; best for few tokens";
   }
   Support supports_device(Device device) const override {
-    if (device.is_cpu()) return Support::yes();
-    return Support::no("the CUDA batched_mm lands with the GPU backends; this build runs it on the CPU only");
+    return device.is_cpu() ? Support::yes() : cuda_device_support(device);
   }
   Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
 
   std::size_t workspace_bytes(const ExpertsProblem& p) const override {
+#if MOEKIT_HAS_CUDA
+    if (p.hidden_states.device().is_cuda()) return cuda::batched_mm_workspace_bytes(cuda_args(p));
+#endif
+    return cpu_workspace_bytes(p);
+  }
+
+  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override {
+#if MOEKIT_HAS_CUDA
+    if (p.hidden_states.device().is_cuda()) return cuda::batched_mm_forward(cuda_args(p, &out), workspace, cuda_stream(stream));
+#endif
+    (void)stream;
+    cpu_forward(p, out, workspace);
+  }
+
+  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const {
     const ExpertsShape s = validate(p);
     const int64_t n = p.config.has_gate ? 2 * s.intermediate : s.intermediate;
     const int64_t block = std::min(s.tokens, kTokensPerBlock);
@@ -38,7 +53,7 @@ class BatchedMmCpu final : public ExpertsBackend {
            sizeof(float);
   }
 
-  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream) override {
+  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) {
     const cpu::ExpertLayout layout(p);
     const int64_t T = p.hidden_states.size(0), K = p.top_k_index.size(1);
     const int64_t H = layout.hidden, I = layout.intermediate, N = layout.up_outputs;

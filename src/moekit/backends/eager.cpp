@@ -7,6 +7,7 @@
 
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
+#include "moekit/backends/cuda_dispatch.h"
 #include "moekit/cpu/activation_math.h"
 
 namespace moekit::backends {
@@ -46,13 +47,27 @@ class EagerCpu final : public ExpertsBackend {
     return "reference: loop over the hit experts, one product per expert on its tokens";
   }
   Support supports_device(Device device) const override {
-    if (device.is_cpu()) return Support::yes();
-    return Support::no("the CUDA eager lands with the GPU backends; this build runs it on the CPU only");
+    return device.is_cpu() ? Support::yes() : cuda_device_support(device);
   }
   Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
-  std::size_t workspace_bytes(const ExpertsProblem& p) const override { return eager_sizes(p).total(); }
+  std::size_t workspace_bytes(const ExpertsProblem& p) const override {
+#if MOEKIT_HAS_CUDA
+    if (p.hidden_states.device().is_cuda()) return cuda::eager_workspace_bytes(cuda_args(p));
+#endif
+    return cpu_workspace_bytes(p);
+  }
 
-  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream) override {
+  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override {
+#if MOEKIT_HAS_CUDA
+    if (p.hidden_states.device().is_cuda()) return cuda::eager_forward(cuda_args(p, &out), workspace, cuda_stream(stream));
+#endif
+    (void)stream;
+    cpu_forward(p, out, workspace);
+  }
+
+  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const { return eager_sizes(p).total(); }
+
+  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) {
     const cpu::ExpertLayout layout(p);
     const EagerSizes z = eager_sizes(p);
     const cpu::ExpertRouting routing = cpu::route_by_expert(p.top_k_index, layout.experts);

@@ -59,7 +59,8 @@ std::vector<std::string> ExpertsInterface::names() const {
   return out;
 }
 
-Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend_name, Tensor out, Stream stream) {
+Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend_name, Tensor out, Stream stream,
+                       Tensor workspace) {
   ExpertsBackend& backend = ExpertsInterface::global().get(backend_name);
   const ExpertsShape shape = validate(problem);
   const Device device = problem.hidden_states.device();
@@ -77,8 +78,13 @@ Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend_n
     out = Tensor::empty({shape.tokens, shape.hidden}, problem.hidden_states.dtype(), device);
   }
   const std::size_t workspace_bytes = backend.workspace_bytes(problem);
-  Tensor workspace;
-  if (workspace_bytes > 0) workspace = Tensor::empty({static_cast<int64_t>(workspace_bytes)}, DType::u8, device);
+  if (workspace.defined()) {
+    MOEKIT_CHECK(workspace.device() == device && workspace.is_contiguous() && workspace.nbytes() >= workspace_bytes,
+                 "workspace must be a contiguous tensor of at least ", workspace_bytes, " bytes on ",
+                 device_name(device), " for backend '", backend_name, "', got ", workspace.describe());
+  } else if (workspace_bytes > 0) {
+    workspace = Tensor::empty({static_cast<int64_t>(workspace_bytes)}, DType::u8, device);
+  }
   backend.forward(problem, out, workspace_bytes > 0 ? workspace.data() : nullptr, stream);
   return out;
 }

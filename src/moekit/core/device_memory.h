@@ -11,7 +11,5 @@ void* device_allocate(std::size_t bytes, Device device);
 void device_free(void* data, Device device);
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes);
 void device_memset(void* data, int value, std::size_t bytes, Device device);
-// Whether this build and machine can use the device (CUDA built in and a GPU present).
-bool device_available(Device device, std::string* why_not = nullptr);
 
 }  // namespace moekit

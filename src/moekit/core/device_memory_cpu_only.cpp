@@ -37,4 +37,6 @@ bool device_available(Device device, std::string* why_not) {
   return false;
 }
 
+void synchronize(Device) {}
+
 }  // namespace moekit

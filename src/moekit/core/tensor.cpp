@@ -120,6 +120,22 @@ Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, Sh
   return t;
 }
 
+Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, std::size_t offset_bytes, Shape shape, DType dtype) {
+  MOEKIT_CHECK(storage != nullptr, "from_storage: null storage");
+  const auto bytes = static_cast<std::size_t>(checked_numel(shape)) * dtype_size(dtype);
+  MOEKIT_CHECK(offset_bytes <= storage->bytes() && bytes <= storage->bytes() - offset_bytes, "from_storage: ",
+               dtype_name(dtype), shape_string(shape), " at byte ", offset_bytes, " overruns a storage of ",
+               storage->bytes(), " bytes");
+  Tensor t;
+  t.device_ = storage->device();
+  t.storage_ = std::move(storage);
+  t.offset_bytes_ = offset_bytes;
+  t.strides_ = contiguous_strides(shape);
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  return t;
+}
+
 int64_t Tensor::size(int64_t d) const {
   if (d < 0) d += dim();
   MOEKIT_CHECK(d >= 0 && d < dim(), "dimension ", d, " out of range for ", describe());

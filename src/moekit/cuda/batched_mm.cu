@@ -1,0 +1,272 @@
+// batched_mm on CUDA: every (token, expert) pair is multiplied by its expert's weights where they lie.
+// Two kernels and no routing step: (1) for each pair, the gate and up rows of a few intermediate
+// columns per warp, dot products over H with 16-byte weight loads, the activation applied at once;
+// (2) for each token, the down rows of a few hidden columns per warp over its K pairs in order k =
+// 0..K-1, with the bias and routing weight, so the weighted combine needs no atomics and no per-pair
+// output. Built for decode, where the work is reading the chosen experts' weights once.
+#include <algorithm>
+
+#include "moekit/cuda/cuda_check.h"
+#include "moekit/cuda/device_math.cuh"
+
+namespace moekit::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kColsPerWarp = 4;  // intermediate (kernel 1) or hidden (kernel 2) columns per warp
+constexpr int kColsPerBlock = kWarps * kColsPerWarp;
+
+// x [T, H] @ up_e [N, H]^T for each pair -> hidden [P, I] (float), activation applied.
+// grid (P, ceil(I / 16)), block 128, dynamic shared memory H floats.
+template <typename T, bool kVectorised>
+__global__ void __launch_bounds__(kWarps * 32) up_rows_kernel(const ExpertsArgs a, float* __restrict__ hidden) {
+  extern __shared__ float x_shared[];
+  const int64_t pair = blockIdx.x, t = pair / a.top_k;
+  const int64_t e = load_id(a, pair);
+  if (e < 0 || e >= a.experts) return;  // sentinel (or invalid: the combine poisons that token)
+  const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
+  const T* x = static_cast<const T*>(a.x) + t * H;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) x_shared[h] = to_f(x[h]);
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kColsPerWarp;
+  const T* w = static_cast<const T*>(a.up) + e * N * H;
+  constexpr int kRows = 2 * kColsPerWarp;
+  const T* rows[kRows];
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kColsPerWarp; ++r) {
+    const int64_t j = min(j0 + r, I - 1);  // clamp: out-of-range columns compute a duplicate, not stored
+    rows[2 * r] = w + (a.has_gate ? gate_col(a, j) : j) * H;
+    rows[2 * r + 1] = w + (a.has_gate ? up_col(a, j) : j) * H;
+    acc[2 * r] = acc[2 * r + 1] = 0.0f;
+  }
+  if constexpr (kVectorised) {
+    constexpr int V = kVec<T>;
+#pragma unroll 2
+    for (int64_t h = lane * V; h < H; h += 32 * V) {
+      float wv[kRows][V];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) load_vec_stream(rows[r] + h, wv[r]);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float xi = x_shared[h + i];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) acc[r] = fmaf(wv[r][i], xi, acc[r]);
+      }
+    }
+  } else {
+    for (int64_t h = lane; h < H; h += 32) {
+      const float xi = x_shared[h];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = fmaf(to_f(rows[r][h]), xi, acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane < kColsPerWarp) {
+    float g = 0.0f, u = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kColsPerWarp; ++r)
+      if (r == lane) g = acc[2 * r], u = acc[2 * r + 1];
+    const int64_t j = j0 + lane;
+    if (j < I) {
+      if (a.up_bias) {
+        const T* b = static_cast<const T*>(a.up_bias) + e * N;
+        g += to_f(b[a.has_gate ? gate_col(a, j) : j]);
+        if (a.has_gate) u += to_f(b[up_col(a, j)]);
+      }
+      hidden[pair * I + j] = activate(a, g, u);
+    }
+  }
+}
+
+// Transposed up [E, H, N]: consecutive threads take consecutive columns (coalesced), four slices of
+// H per column reduced through shared memory. grid (P, ceil(I / 64)), block (64, 4).
+template <typename T>
+__global__ void __launch_bounds__(256) up_cols_kernel(const ExpertsArgs a, float* __restrict__ hidden) {
+  extern __shared__ float x_shared[];
+  __shared__ float partial[4][64][2];
+  const int64_t pair = blockIdx.x, t = pair / a.top_k;
+  const int64_t e = load_id(a, pair);
+  if (e < 0 || e >= a.experts) return;
+  const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
+  const T* x = static_cast<const T*>(a.x) + t * H;
+  const int tid = threadIdx.y * 64 + threadIdx.x;
+  for (int64_t h = tid; h < H; h += 256) x_shared[h] = to_f(x[h]);
+  __syncthreads();
+  const int64_t j = static_cast<int64_t>(blockIdx.y) * 64 + threadIdx.x;
+  float g = 0.0f, u = 0.0f;
+  if (j < I) {
+    const T* w = static_cast<const T*>(a.up) + e * H * N;
+    const int64_t gc = a.has_gate ? gate_col(a, j) : j, uc = a.has_gate ? up_col(a, j) : j;
+    for (int64_t h = threadIdx.y; h < H; h += 4) {
+      g = fmaf(to_f(w[h * N + gc]), x_shared[h], g);
+      if (a.has_gate) u = fmaf(to_f(w[h * N + uc]), x_shared[h], u);
+    }
+  }
+  partial[threadIdx.y][threadIdx.x][0] = g;
+  partial[threadIdx.y][threadIdx.x][1] = u;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < I) {
+    g = partial[0][threadIdx.x][0] + partial[1][threadIdx.x][0] + partial[2][threadIdx.x][0] + partial[3][threadIdx.x][0];
+    u = partial[0][threadIdx.x][1] + partial[1][threadIdx.x][1] + partial[2][threadIdx.x][1] + partial[3][threadIdx.x][1];
+    if (a.up_bias) {
+      const T* b = static_cast<const T*>(a.up_bias) + e * N;
+      g += to_f(b[a.has_gate ? gate_col(a, j) : j]);
+      if (a.has_gate) u += to_f(b[up_col(a, j)]);
+    }
+    hidden[pair * I + j] = activate(a, g, u);
+  }
+}
+
+// out[t, h] = sum_k w[t, k] * (down_e[h] . hidden[t * K + k] + b2[e, h]), k in order.
+// grid (T, ceil(H / 16)), block 128.
+template <typename T, bool kVectorised>
+__global__ void __launch_bounds__(kWarps * 32) down_rows_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
+  const int64_t t = blockIdx.x, H = a.hidden, I = a.intermediate;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kColsPerWarp;
+  float out_acc[kColsPerWarp] = {};
+  bool invalid = false;
+  for (int64_t k = 0; k < a.top_k; ++k) {
+    const int64_t pair = t * a.top_k + k;
+    const int64_t e = load_id(a, pair);
+    if (e < 0) invalid = true;
+    if (e < 0 || e >= a.experts) continue;
+    const float route = load_routing_weight<T>(a, pair);
+    const T* w = static_cast<const T*>(a.down) + e * H * I;
+    const float* hid = hidden + pair * I;
+    const T* rows[kColsPerWarp];
+    float acc[kColsPerWarp];
+#pragma unroll
+    for (int r = 0; r < kColsPerWarp; ++r) {
+      rows[r] = w + min(h0 + r, H - 1) * I;
+      acc[r] = 0.0f;
+    }
+    if constexpr (kVectorised) {
+      constexpr int V = kVec<T>;
+#pragma unroll 2
+      for (int64_t i = lane * V; i < I; i += 32 * V) {
+        float wv[kColsPerWarp][V];
+#pragma unroll
+        for (int r = 0; r < kColsPerWarp; ++r) load_vec_stream(rows[r] + i, wv[r]);
+        float hv[V];
+#pragma unroll
+        for (int q = 0; q < V; q += 4) {
+          const float4 f = *reinterpret_cast<const float4*>(hid + i + q);
+          hv[q] = f.x, hv[q + 1] = f.y, hv[q + 2] = f.z, hv[q + 3] = f.w;
+        }
+#pragma unroll
+        for (int q = 0; q < V; ++q)
+#pragma unroll
+          for (int r = 0; r < kColsPerWarp; ++r) acc[r] = fmaf(wv[r][q], hv[q], acc[r]);
+      }
+    } else {
+      for (int64_t i = lane; i < I; i += 32) {
+        const float hi = hid[i];
+#pragma unroll
+        for (int r = 0; r < kColsPerWarp; ++r) acc[r] = fmaf(to_f(rows[r][i]), hi, acc[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kColsPerWarp; ++r) {
+      float v = warp_sum(acc[r]);
+      if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[e * H + min(h0 + r, H - 1)]);
+      out_acc[r] = fmaf(route, v, out_acc[r]);
+    }
+  }
+  if (lane < kColsPerWarp) {
+    float v = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kColsPerWarp; ++r)
+      if (r == lane) v = out_acc[r];
+    const int64_t h = h0 + lane;
+    if (h < H) static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : v);
+  }
+}
+
+// Transposed down [E, I, H]. grid (T, ceil(H / 64)), block (64, 4).
+template <typename T>
+__global__ void __launch_bounds__(256) down_cols_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
+  __shared__ float partial[4][64];
+  const int64_t t = blockIdx.x, H = a.hidden, I = a.intermediate;
+  const int64_t h = static_cast<int64_t>(blockIdx.y) * 64 + threadIdx.x;
+  float out_acc = 0.0f;
+  bool invalid = false;
+  for (int64_t k = 0; k < a.top_k; ++k) {
+    const int64_t pair = t * a.top_k + k;
+    const int64_t e = load_id(a, pair);
+    if (e < 0) invalid = true;
+    if (e < 0 || e >= a.experts) continue;  // uniform across the block: no barrier divergence
+    float v = 0.0f;
+    if (h < H) {
+      const T* w = static_cast<const T*>(a.down) + e * I * H;
+      const float* hid = hidden + pair * I;
+      for (int64_t i = threadIdx.y; i < I; i += 4) v = fmaf(to_f(w[i * H + h]), hid[i], v);
+    }
+    partial[threadIdx.y][threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.y == 0 && h < H) {
+      v = partial[0][threadIdx.x] + partial[1][threadIdx.x] + partial[2][threadIdx.x] + partial[3][threadIdx.x];
+      if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[e * H + h]);
+      out_acc = fmaf(load_routing_weight<T>(a, pair), v, out_acc);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && h < H)
+    static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out_acc);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T>
+void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
+  const int64_t P = a.tokens * a.top_k;
+  const std::size_t x_bytes = static_cast<std::size_t>(a.hidden) * sizeof(float);
+  MOEKIT_CHECK(x_bytes <= 200 * 1024, "batched_mm on CUDA keeps one hidden row in shared memory; H = ", a.hidden,
+               " is too large");
+  MOEKIT_CHECK(P <= 0x7fffffff && a.tokens <= 0x7fffffff, "batched_mm: too many pairs for one launch");
+  if (P == 0) return;
+  if (a.transposed) {
+    auto* up_kernel = up_cols_kernel<T>;
+    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(x_bytes)));
+    up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + 63) / 64)), dim3(64, 4),
+                x_bytes, stream>>>(a, hidden);
+    MOEKIT_CUDA_CHECK_LAUNCH();
+    down_cols_kernel<T><<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + 63) / 64)),
+                          dim3(64, 4), 0, stream>>>(a, hidden);
+    MOEKIT_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  constexpr int V = kVec<T>;
+  const bool vec_up = a.hidden % V == 0 && aligned16(a.up);
+  const bool vec_down = a.intermediate % V == 0 && aligned16(a.down);
+  auto* up_kernel = vec_up ? up_rows_kernel<T, true> : up_rows_kernel<T, false>;
+  MOEKIT_CUDA_CHECK(
+      cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
+  up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
+              kWarps * 32, x_bytes, stream>>>(a, hidden);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+  auto* down_kernel = vec_down ? down_rows_kernel<T, true> : down_rows_kernel<T, false>;
+  down_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kColsPerBlock - 1) / kColsPerBlock)),
+                kWarps * 32, 0, stream>>>(a, hidden);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a) {
+  return static_cast<std::size_t>(a.tokens * a.top_k * a.intermediate) * sizeof(float);
+}
+
+void batched_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
+  visit_float_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch<T>(a, static_cast<float*>(workspace), stream);
+  });
+}
+
+}  // namespace moekit::cuda

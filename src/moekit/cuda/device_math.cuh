@@ -1,0 +1,107 @@
+// Device-side helpers shared by the CUDA kernels: element conversion of moekit's storage types,
+// 16-byte vector loads, warp reductions and the activations of the contract.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "moekit/cuda/experts_cuda.h"
+#include "moekit/dtype.h"
+
+namespace moekit::cuda {
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(bf16 v) { return __uint_as_float(static_cast<uint32_t>(v.bits) << 16); }
+__device__ __forceinline__ float to_f(f16 v) { return __half2float(__ushort_as_half(v.bits)); }
+__device__ __forceinline__ float to_f(int32_t v) { return static_cast<float>(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ bf16 from_f<bf16>(float v) {
+  return bf16{__bfloat16_as_ushort(__float2bfloat16_rn(v))};
+}
+template <>
+__device__ __forceinline__ f16 from_f<f16>(float v) {
+  return f16{__half_as_ushort(__float2half_rn(v))};
+}
+
+// Elements of T in one 16-byte load.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+// Loads kVec<T> elements (16 bytes, aligned) as floats.
+template <typename T>
+__device__ __forceinline__ void load_vec(const T* p, float (&v)[kVec<T>]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
+}
+
+// Streaming load for weights read once: does not keep them in L1.
+template <typename T>
+__device__ __forceinline__ void load_vec_stream(const T* p, float (&v)[kVec<T>]) {
+  uint4 raw;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+               : "l"(p));
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// act(gate) * up for gated experts, act(gate) alone otherwise; the GPT-OSS clamped SwiGLU uses both.
+__device__ __forceinline__ float activate(const ExpertsArgs& a, float g, float u) {
+  float h;
+  switch (a.act) {
+    case Act::silu: h = g * sigmoid(g); break;
+    case Act::gelu: h = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)); break;
+    case Act::gelu_tanh: h = 0.5f * g * (1.0f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g))); break;
+    case Act::relu: h = fmaxf(g, 0.0f); break;
+    case Act::relu2: {
+      const float r = fmaxf(g, 0.0f);
+      h = r * r;
+      break;
+    }
+    case Act::clamped_swiglu: {
+      const float gc = fminf(g, a.swiglu_limit);
+      const float uc = fminf(fmaxf(u, -a.swiglu_limit), a.swiglu_limit);
+      return (uc + 1.0f) * gc * sigmoid(a.swiglu_alpha * gc);
+    }
+  }
+  return a.has_gate ? h * u : h;
+}
+
+// Columns of the first projection holding gate j and up j.
+__device__ __forceinline__ int64_t gate_col(const ExpertsArgs& a, int64_t j) { return a.concatenated ? j : 2 * j; }
+__device__ __forceinline__ int64_t up_col(const ExpertsArgs& a, int64_t j) {
+  return a.concatenated ? a.intermediate + j : 2 * j + 1;
+}
+
+__device__ __forceinline__ int64_t load_id(const ExpertsArgs& a, int64_t i) {
+  return a.index_dtype == DType::i32 ? static_cast<int64_t>(static_cast<const int32_t*>(a.ids)[i])
+                                     : static_cast<const int64_t*>(a.ids)[i];
+}
+
+template <typename T>
+__device__ __forceinline__ float load_routing_weight(const ExpertsArgs& a, int64_t i) {
+  return a.routing_dtype == DType::f32 ? static_cast<const float*>(a.routing_weights)[i]
+                                       : to_f(static_cast<const T*>(a.routing_weights)[i]);
+}
+
+}  // namespace moekit::cuda

@@ -1,0 +1,23 @@
+// grouped_mm on CUDA: route on the device, one grouped product per projection, a deterministic
+// combine. Every launch is sized from host-known bounds, so the call never synchronises with the
+// host and can be captured in a CUDA graph.
+#include <algorithm>
+
+#include "moekit/cuda/grouped_gemm.cuh"
+
+namespace moekit::cuda {
+
+std::size_t grouped_mm_workspace_bytes(const ExpertsArgs& a) { return grouped_buffers_bytes(a); }
+
+void grouped_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
+  GroupedProblem g = grouped_buffers(a, workspace);
+  route_on_device(a, kTileRows, static_cast<char*>(workspace) + kRoutingOffset, g.r, stream);
+  const int64_t P = a.tokens * a.top_k;
+  // Worst case over all routings: every expert's last tile partly filled.
+  const int64_t max_tiles = (P + kTileRows - 1) / kTileRows + std::min(a.experts, P);
+  launch_grouped_projection(g, Projection::up, max_tiles, stream);
+  launch_grouped_projection(g, Projection::down, max_tiles, stream);
+  launch_combine(g, stream);
+}
+
+}  // namespace moekit::cuda

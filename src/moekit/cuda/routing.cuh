@@ -1,0 +1,25 @@
+// Routing on the device: (token, slot) pairs sorted by expert (stable), per-expert offsets, the
+// inverse permutation and the tile schedule of the grouped products. No host synchronisation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moekit/cuda/experts_cuda.h"
+
+namespace moekit::cuda {
+
+struct DeviceRouting {
+  int32_t* offsets = nullptr;       // [E + 1]: rows of expert e are [offsets[e], offsets[e + 1])
+  int32_t* tile_offsets = nullptr;  // [E + 1]: row tiles of expert e are [tile_offsets[e], tile_offsets[e + 1])
+  int32_t* row_pair = nullptr;      // [P]: the pair t * K + k of each sorted row (first offsets[E] valid)
+  int32_t* pair_row = nullptr;      // [P]: the sorted row of each pair, -1 for a sentinel or invalid id
+};
+
+// Device bytes route_on_device needs for P = T * K pairs and E experts.
+std::size_t routing_workspace_bytes(int64_t pairs, int64_t experts);
+
+// Fills r (carved out of workspace) for tiles of tile_rows rows. Asynchronous on stream.
+void route_on_device(const ExpertsArgs& a, int tile_rows, void* workspace, DeviceRouting& r, cudaStream_t stream);
+
+}  // namespace moekit::cuda
