@@ -122,65 +122,90 @@ __global__ void __launch_bounds__(256) up_cols_kernel(const ExpertsArgs a, float
 }
 
 // out[t, h] = sum_k w[t, k] * (down_e[h] . hidden[t * K + k] + b2[e, h]), k in order.
-// grid (T, ceil(H / 16)), block 128.
+// Each warp takes kDownRows hidden columns and runs the K pairs kPairsAtOnce at a time with separate
+// accumulators (more loads in flight for one token), then adds them to the output in order k = 0..K-1.
+// grid (T, ceil(H / (4 * kDownRows))), block 128.
+constexpr int kDownRows = 2, kPairsAtOnce = 4;
+
 template <typename T, bool kVectorised>
 __global__ void __launch_bounds__(kWarps * 32) down_rows_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
   const int64_t t = blockIdx.x, H = a.hidden, I = a.intermediate;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kColsPerWarp;
-  float out_acc[kColsPerWarp] = {};
+  const int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kDownRows;
+  float out_acc[kDownRows] = {};
   bool invalid = false;
-  for (int64_t k = 0; k < a.top_k; ++k) {
-    const int64_t pair = t * a.top_k + k;
-    const int64_t e = load_id(a, pair);
-    if (e < 0) invalid = true;
-    if (e < 0 || e >= a.experts) continue;
-    const float route = load_routing_weight<T>(a, pair);
-    const T* w = static_cast<const T*>(a.down) + e * H * I;
-    const float* hid = hidden + pair * I;
-    const T* rows[kColsPerWarp];
-    float acc[kColsPerWarp];
+  for (int64_t k0 = 0; k0 < a.top_k; k0 += kPairsAtOnce) {
+    const T* rows[kPairsAtOnce][kDownRows];
+    const float* hid[kPairsAtOnce];
+    int64_t expert[kPairsAtOnce];
+    float acc[kPairsAtOnce][kDownRows];
 #pragma unroll
-    for (int r = 0; r < kColsPerWarp; ++r) {
-      rows[r] = w + min(h0 + r, H - 1) * I;
-      acc[r] = 0.0f;
+    for (int q = 0; q < kPairsAtOnce; ++q) {
+      const int64_t k = k0 + q, pair = t * a.top_k + k;
+      const bool present = k < a.top_k;
+      int64_t e = present ? load_id(a, pair) : -1;
+      if (present && e < 0) invalid = true;
+      if (e < 0 || e >= a.experts) e = -1;  // no work: past K, a sentinel or an invalid id
+      expert[q] = e;
+      // A skipped pair reads expert 0's rows and a valid hidden row but never adds them.
+      const T* w = static_cast<const T*>(a.down) + (e < 0 ? 0 : e) * H * I;
+      hid[q] = hidden + (e < 0 ? t * a.top_k : pair) * I;
+#pragma unroll
+      for (int r = 0; r < kDownRows; ++r) {
+        rows[q][r] = w + min(h0 + r, H - 1) * I;
+        acc[q][r] = 0.0f;
+      }
     }
     if constexpr (kVectorised) {
       constexpr int V = kVec<T>;
-#pragma unroll 2
       for (int64_t i = lane * V; i < I; i += 32 * V) {
-        float wv[kColsPerWarp][V];
+        float wv[kPairsAtOnce][kDownRows][V];
 #pragma unroll
-        for (int r = 0; r < kColsPerWarp; ++r) load_vec_stream(rows[r] + i, wv[r]);
-        float hv[V];
+        for (int q = 0; q < kPairsAtOnce; ++q)
 #pragma unroll
-        for (int q = 0; q < V; q += 4) {
-          const float4 f = *reinterpret_cast<const float4*>(hid + i + q);
-          hv[q] = f.x, hv[q + 1] = f.y, hv[q + 2] = f.z, hv[q + 3] = f.w;
+          for (int r = 0; r < kDownRows; ++r)
+            if (expert[q] >= 0) load_vec_stream(rows[q][r] + i, wv[q][r]);
+#pragma unroll
+        for (int q = 0; q < kPairsAtOnce; ++q) {
+          if (expert[q] < 0) continue;
+          float hv[V];
+#pragma unroll
+          for (int v = 0; v < V; v += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(hid[q] + i + v);
+            hv[v] = f.x, hv[v + 1] = f.y, hv[v + 2] = f.z, hv[v + 3] = f.w;
+          }
+#pragma unroll
+          for (int v = 0; v < V; ++v)
+#pragma unroll
+            for (int r = 0; r < kDownRows; ++r) acc[q][r] = fmaf(wv[q][r][v], hv[v], acc[q][r]);
         }
-#pragma unroll
-        for (int q = 0; q < V; ++q)
-#pragma unroll
-          for (int r = 0; r < kColsPerWarp; ++r) acc[r] = fmaf(wv[r][q], hv[q], acc[r]);
       }
     } else {
-      for (int64_t i = lane; i < I; i += 32) {
-        const float hi = hid[i];
+      for (int64_t i = lane; i < I; i += 32)
 #pragma unroll
-        for (int r = 0; r < kColsPerWarp; ++r) acc[r] = fmaf(to_f(rows[r][i]), hi, acc[r]);
+        for (int q = 0; q < kPairsAtOnce; ++q) {
+          if (expert[q] < 0) continue;
+          const float hi = hid[q][i];
+#pragma unroll
+          for (int r = 0; r < kDownRows; ++r) acc[q][r] = fmaf(to_f(rows[q][r][i]), hi, acc[q][r]);
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < kPairsAtOnce; ++q) {  // in order k0, k0 + 1, ...
+      if (expert[q] < 0) continue;
+      const float route = load_routing_weight<T>(a, t * a.top_k + k0 + q);
+#pragma unroll
+      for (int r = 0; r < kDownRows; ++r) {
+        float v = warp_sum(acc[q][r]);
+        if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[expert[q] * H + min(h0 + r, H - 1)]);
+        out_acc[r] = fmaf(route, v, out_acc[r]);
       }
     }
-#pragma unroll
-    for (int r = 0; r < kColsPerWarp; ++r) {
-      float v = warp_sum(acc[r]);
-      if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[e * H + min(h0 + r, H - 1)]);
-      out_acc[r] = fmaf(route, v, out_acc[r]);
-    }
   }
-  if (lane < kColsPerWarp) {
+  if (lane < kDownRows) {
     float v = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kColsPerWarp; ++r)
+    for (int r = 0; r < kDownRows; ++r)
       if (r == lane) v = out_acc[r];
     const int64_t h = h0 + lane;
     if (h < H) static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : v);
@@ -251,7 +276,8 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
               kWarps * 32, x_bytes, stream>>>(a, hidden);
   MOEKIT_CUDA_CHECK_LAUNCH();
   auto* down_kernel = vec_down ? down_rows_kernel<T, true> : down_rows_kernel<T, false>;
-  down_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kColsPerBlock - 1) / kColsPerBlock)),
+  constexpr int kDownPerBlock = kWarps * kDownRows;
+  down_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
                 kWarps * 32, 0, stream>>>(a, hidden);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }

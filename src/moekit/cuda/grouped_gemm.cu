@@ -66,8 +66,10 @@ __global__ void __launch_bounds__(256) simt_kernel(const GroupedProblem g) {
   store_tile<T, P, kTileRows, kSimtCols>(g, &c_tile[0][0], kSimtCols + 1, expert, row_begin, row_end, blockIdx.y);
 }
 
-// ---- Tensor-core kernel: 64 x 128 tiles, 32-deep k steps, 4 warps of 32 x 64, 4-stage cp.async. ----
-constexpr int kMmaCols = 128, kMmaDepth = 32, kStages = 4;
+// ---- Tensor-core kernel: 64 x 256 tiles, 32-deep k steps, 8 warps of 32 x 64, 4-stage cp.async. ----
+// Wide tiles: each left row loaded is used against 256 weight rows, which the 64-row tiles of the
+// shared schedule (short experts waste little) would otherwise lack.
+constexpr int kMmaCols = 256, kMmaDepth = 32, kStages = 4, kMmaThreads = 256;
 constexpr int kPitch = kMmaDepth + 8;  // 80-byte rows: ldmatrix's eight 16-byte reads hit distinct banks
 constexpr int kStageElems = (kTileRows + kMmaCols) * kPitch;
 constexpr int kCPitch = kMmaCols + 4;
@@ -110,7 +112,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 template <typename T, Projection P>
-__global__ void __launch_bounds__(128) mma_kernel(const GroupedProblem g) {
+__global__ void __launch_bounds__(kMmaThreads) mma_kernel(const GroupedProblem g) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
   int64_t expert, row_begin, row_end;
@@ -120,19 +122,20 @@ __global__ void __launch_bounds__(128) mma_kernel(const GroupedProblem g) {
   const T* w = static_cast<const T*>(P == Projection::up ? a.up : a.down) + expert * N * K;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-  // Loads: 64 left rows and 128 weight rows of 4 x 16-byte chunks each per stage; a thread owns
-  // 2 left chunks and 4 weight chunks, with their row pointers fixed over k.
-  const T* a_src[2];
-  const T* b_src[4];
+  // Loads: 64 left rows and 256 weight rows of 4 x 16-byte chunks each per stage; a thread owns
+  // 1 left chunk and 4 weight chunks, with their row pointers fixed over k.
+  constexpr int kLeftChunks = kTileRows * 4 / kMmaThreads, kWeightChunks = kMmaCols * 4 / kMmaThreads;
+  const T* a_src[kLeftChunks];
+  const T* b_src[kWeightChunks];
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int i = tid + q * 128, r = i / 4;
+  for (int q = 0; q < kLeftChunks; ++q) {
+    const int i = tid + q * kMmaThreads, r = i / 4;
     const int64_t row = row_begin + r;
     a_src[q] = row < row_end ? left_row<T, P>(g, row) + (i % 4) * 8 : nullptr;
   }
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int i = tid + q * 128, c = i / 4;
+  for (int q = 0; q < kWeightChunks; ++q) {
+    const int i = tid + q * kMmaThreads, c = i / 4;
     const int64_t out = tile_output<P>(a, blockIdx.y, c, kMmaCols);
     b_src[q] = out >= 0 ? w + out * K + (i % 4) * 8 : nullptr;
   }
@@ -142,20 +145,20 @@ __global__ void __launch_bounds__(128) mma_kernel(const GroupedProblem g) {
     T* sb = sa + kTileRows * kPitch;
     const int64_t k0 = step * kMmaDepth;
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const int i = tid + q * 128;
+    for (int q = 0; q < kLeftChunks; ++q) {
+      const int i = tid + q * kMmaThreads;
       const bool ok = a_src[q] && k0 + (i % 4) * 8 < K;
       cp_async16(sa + (i / 4) * kPitch + (i % 4) * 8, ok ? a_src[q] + k0 : static_cast<const T*>(a.x), ok);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int i = tid + q * 128;
+    for (int q = 0; q < kWeightChunks; ++q) {
+      const int i = tid + q * kMmaThreads;
       const bool ok = b_src[q] && k0 + (i % 4) * 8 < K;
       cp_async16(sb + (i / 4) * kPitch + (i % 4) * 8, ok ? b_src[q] + k0 : w, ok);
     }
   };
 
-  const int warp_m = warp / 2, warp_n = warp % 2;  // warp tile: rows 32*warp_m, cols 64*warp_n
+  const int warp_m = warp / 4, warp_n = warp % 4;  // warp tile: rows 32*warp_m, cols 64*warp_n
   float acc[2][8][4] = {};
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -225,7 +228,7 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
       auto* kernel = mma_kernel<T, P>;
       MOEKIT_CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMmaSmem)));
-      kernel<<<dim3(static_cast<unsigned>(max_tiles), static_cast<unsigned>(blocks)), 128, kMmaSmem, stream>>>(g);
+      kernel<<<dim3(static_cast<unsigned>(max_tiles), static_cast<unsigned>(blocks)), kMmaThreads, kMmaSmem, stream>>>(g);
       MOEKIT_CUDA_CHECK_LAUNCH();
     }
     return;

@@ -61,7 +61,13 @@ std::vector<double> experts_reference(const ExpertsProblem& p) {
   const int64_t T = s.tokens, H = s.hidden, I = s.intermediate, E = s.experts, K = s.top_k;
   const int64_t N = c.has_gate ? 2 * I : I;
   const auto x = to_doubles(p.hidden_states);
-  const auto ids = to_doubles(p.top_k_index);
+  // Ids stay integers: a sentinel near INT64_MAX does not survive a trip through double.
+  std::vector<int64_t> ids(static_cast<std::size_t>(T * K));
+  visit_index_dtype(p.top_k_index.dtype(), [&](auto tag) {
+    using Id = typename decltype(tag)::type;
+    const Id* src = static_cast<const Id*>(p.top_k_index.data());  // contiguous: validated
+    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(src[i]);
+  });
   const auto w = to_doubles(p.top_k_weights);
   const auto w1 = to_doubles(p.gate_up_proj);
   const auto w2 = to_doubles(p.down_proj);
@@ -84,7 +90,7 @@ std::vector<double> experts_reference(const ExpertsProblem& p) {
   std::vector<double> hidden(static_cast<std::size_t>(I));
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t k = 0; k < K; ++k) {
-      const auto e = static_cast<int64_t>(ids[t * K + k]);
+      const int64_t e = ids[static_cast<std::size_t>(t * K + k)];
       if (e >= E) continue;  // sentinel
       for (int64_t n = 0; n < N; ++n) {
         double acc = b1[e * N + n];
