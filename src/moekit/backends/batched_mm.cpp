@@ -14,9 +14,14 @@ namespace moekit::backends {
 namespace {
 
 constexpr int64_t kTokensPerBlock = 16;
-// Output rows per task: 128 rows of a 2048-wide bf16 expert are 512 KB of weights, enough work
-// to hide a task's start while giving both cores several tasks even for a single pair.
-constexpr int64_t kRowsPerTask = 128;
+// Weight bytes per task: each task reads one contiguous run of rows as a single stream, long enough
+// that the prefetchers' start-up is small against it, short enough that a single pair still gives
+// both cores several tasks.
+constexpr int64_t kBytesPerTask = int64_t{1} << 20;
+
+int64_t rows_per_task(int64_t row_elements, std::size_t element_bytes) {
+  return std::max<int64_t>(16, kBytesPerTask / (row_elements * static_cast<int64_t>(element_bytes)));
+}
 
 class BatchedMmCpu final : public ExpertsBackend {
  public:
@@ -80,11 +85,12 @@ class BatchedMmCpu final : public ExpertsBackend {
         auto local = [&](int64_t i) { return pairs[static_cast<std::size_t>(i)] - t0 * K; };
 
         // Up (or gate and up) projection, then bias and activation per pair.
-        const int64_t up_tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+        const int64_t up_rows = rows_per_task(H, sizeof(A)), down_rows = rows_per_task(I, sizeof(A));
+        const int64_t up_tasks = (N + up_rows - 1) / up_rows;
 #pragma omp parallel for schedule(dynamic)
         for (int64_t task = 0; task < P * up_tasks; ++task) {
-          const int64_t i = task / up_tasks, n0 = task % up_tasks * kRowsPerTask;
-          const int64_t nn = std::min(kRowsPerTask, N - n0);
+          const int64_t i = task / up_tasks, n0 = task % up_tasks * up_rows;
+          const int64_t nn = std::min(up_rows, N - n0);
           const int64_t q = local(i);
           const float* xt = x + (q / K) * H;
           const cpu::MatrixView w = layout.up_matrix(expert(i));
@@ -104,11 +110,11 @@ class BatchedMmCpu final : public ExpertsBackend {
                                 gate_stride, I, hidden + q * I);
         }
         // Down projection, then bias.
-        const int64_t down_tasks = (H + kRowsPerTask - 1) / kRowsPerTask;
+        const int64_t down_tasks = (H + down_rows - 1) / down_rows;
 #pragma omp parallel for schedule(dynamic)
         for (int64_t task = 0; task < P * down_tasks; ++task) {
-          const int64_t i = task / down_tasks, h0 = task % down_tasks * kRowsPerTask;
-          const int64_t hn = std::min(kRowsPerTask, H - h0);
+          const int64_t i = task / down_tasks, h0 = task % down_tasks * down_rows;
+          const int64_t hn = std::min(down_rows, H - h0);
           const int64_t q = local(i);
           const cpu::MatrixView w = layout.down_matrix(expert(i));
           float* y = down + q * H + h0;

@@ -3,23 +3,20 @@
 #include <cstring>
 
 #include "moekit/core/device_memory.h"
+#include "moekit/core/host_memory.h"
 
 namespace moekit {
 
 namespace {
-constexpr std::size_t kAlignment = 64;  // a cache line: what vector loads and oneDNN prefer
 constexpr const char* kNoCuda = "this build of moekit has no CUDA support (nvcc was not found at configure time)";
 }  // namespace
 
 void* device_allocate(std::size_t bytes, Device device) {
   MOEKIT_CHECK(device.is_cpu(), "cannot allocate on ", device_name(device), ": ", kNoCuda);
-  const std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
-  MOEKIT_CHECK(p != nullptr, "out of host memory allocating ", bytes, " bytes");
-  return p;
+  return host_allocate(bytes);
 }
 
-void device_free(void* data, Device) { std::free(data); }
+void device_free(void* data, Device) { host_free(data); }
 
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes) {
   MOEKIT_CHECK(dst_device.is_cpu() && src_device.is_cpu(), "copy involving a CUDA device: ", kNoCuda);

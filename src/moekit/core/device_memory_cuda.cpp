@@ -7,11 +7,11 @@
 #include <cstring>
 
 #include "moekit/core/device_memory.h"
+#include "moekit/core/host_memory.h"
 
 namespace moekit {
 
 namespace {
-constexpr std::size_t kAlignment = 64;
 
 void check_cuda(cudaError_t status, const char* what) {
   MOEKIT_CHECK(status == cudaSuccess, what, " failed: ", cudaGetErrorString(status));
@@ -27,10 +27,7 @@ void use_device(Device device) {
 
 void* device_allocate(std::size_t bytes, Device device) {
   if (device.is_cpu()) {
-    const std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-    void* p = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
-    MOEKIT_CHECK(p != nullptr, "out of host memory allocating ", bytes, " bytes");
-    return p;
+    return host_allocate(bytes);
   }
   std::string why;
   MOEKIT_CHECK(device_available(device, &why), "cannot allocate on ", device_name(device), ": ", why);
@@ -44,7 +41,7 @@ void* device_allocate(std::size_t bytes, Device device) {
 
 void device_free(void* data, Device device) {
   if (device.is_cpu()) {
-    std::free(data);
+    host_free(data);
     return;
   }
   // Errors cannot be thrown from a deleter; a failed free leaks rather than aborting.

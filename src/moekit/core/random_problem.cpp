@@ -8,12 +8,26 @@
 namespace moekit {
 namespace {
 
+// Counter-based: element i gets a value hashed from (stream, i), so that filling runs on all threads
+// and the values do not depend on the thread count (model-sized weights are tens of GB).
+uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 void fill_uniform(Tensor& t, std::mt19937_64& rng, float scale) {
-  std::uniform_real_distribution<float> dist(-scale, scale);
+  const uint64_t stream = rng();
+  const int64_t n = t.numel();
   visit_float_dtype(t.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* p = static_cast<T*>(t.data());
-    for (int64_t i = 0; i < t.numel(); ++i) p[i] = from_float<T>(dist(rng));
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t bits = mix(stream + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i + 1));
+      const float unit = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);  // [0, 1), 24 bits
+      p[i] = from_float<T>((2.0f * unit - 1.0f) * scale);
+    }
   });
 }
 

@@ -1,0 +1,13 @@
+// Host memory for tensors, shared by the CPU-only and CUDA builds.
+#pragma once
+
+#include <cstddef>
+
+namespace moekit {
+
+// 64-byte aligned; blocks of 4 MB and more are 2 MB aligned and asked to be backed by huge pages
+// (expert weights are streamed once per call, and 4 KB pages make every 4 KB of a stream a TLB miss).
+void* host_allocate(std::size_t bytes);
+void host_free(void* data);
+
+}  // namespace moekit
