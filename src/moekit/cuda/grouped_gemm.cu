@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(256) simt_kernel(const GroupedProblem g) {
     const int i = tid + q * 256;  // element of the 64 x 16 tile, k fastest
     const int64_t row = row_begin + i / kSimtDepth;
     a_rows[q] = row < row_end ? left_row<T, P>(g, row) : nullptr;
-    w_rows[q] = tile_output<P>(a, blockIdx.y, i / kSimtDepth, kSimtCols);
+    w_rows[q] = tile_output<P>(a, block_col(g), i / kSimtDepth, kSimtCols);
   }
   float acc[4][4] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kSimtDepth) {
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(256) simt_kernel(const GroupedProblem g) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) c_tile[ty * 4 + i][tx * 4 + j] = acc[i][j];
   __syncthreads();
-  store_tile<T, P, kTileRows, kSimtCols>(g, &c_tile[0][0], kSimtCols + 1, expert, row_begin, row_end, blockIdx.y);
+  store_tile<T, P, kTileRows, kSimtCols>(g, &c_tile[0][0], kSimtCols + 1, expert, row_begin, row_end, block_col(g));
 }
 
 // ---- Tensor-core kernel: 64 x 256 tiles, 32-deep k steps, 8 warps of 32 x 64, 4-stage cp.async. ----
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kMmaThreads) mma_kernel(const GroupedProblem g
 #pragma unroll
   for (int q = 0; q < kWeightChunks; ++q) {
     const int i = tid + q * kMmaThreads, c = i / 4;
-    const int64_t out = tile_output<P>(a, blockIdx.y, c, kMmaCols);
+    const int64_t out = tile_output<P>(a, block_col(g), c, kMmaCols);
     b_src[q] = out >= 0 ? w + out * K + (i % 4) * 8 : nullptr;
   }
   const int64_t k_steps = (K + kMmaDepth - 1) / kMmaDepth;
@@ -206,10 +206,17 @@ __global__ void __launch_bounds__(kMmaThreads) mma_kernel(const GroupedProblem g
       c[(r + 8) * kCPitch + col + 1] = acc[mt][nt][3];
     }
   __syncthreads();
-  store_tile<T, P, kTileRows, kMmaCols>(g, c, kCPitch, expert, row_begin, row_end, blockIdx.y);
+  store_tile<T, P, kTileRows, kMmaCols>(g, c, kCPitch, expert, row_begin, row_end, block_col(g));
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// One-dimensional grid of row tiles x column blocks (column block fastest, see block_col).
+unsigned grid_blocks(int64_t row_tiles, int64_t col_blocks) {
+  MOEKIT_CHECK(row_tiles * col_blocks <= 0x7fffffff, "grouped_mm: too many tiles for one launch (", row_tiles,
+               " x ", col_blocks, ")");
+  return static_cast<unsigned>(row_tiles * col_blocks);
+}
 
 template <typename T, Projection P>
 void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
@@ -220,22 +227,21 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
   const void* weights = P == Projection::up ? a.up : a.down;
   const bool tensor_cores = !std::is_same_v<T, float> && !a.transposed && K % 8 == 0 && aligned16(left) &&
                             aligned16(weights);
-  MOEKIT_CHECK(max_tiles <= 0x7fffffff, "grouped_mm: too many row tiles");
   if (tensor_cores) {
     if constexpr (!std::is_same_v<T, float>) {
-      const int64_t blocks = column_blocks(a, P, kMmaCols);
-      MOEKIT_CHECK(blocks <= 65535, "grouped_mm: too many column tiles (", blocks, ")");
+      GroupedProblem launched = g;
+      launched.col_blocks = column_blocks(a, P, kMmaCols);
       auto* kernel = mma_kernel<T, P>;
       MOEKIT_CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMmaSmem)));
-      kernel<<<dim3(static_cast<unsigned>(max_tiles), static_cast<unsigned>(blocks)), kMmaThreads, kMmaSmem, stream>>>(g);
+      kernel<<<grid_blocks(max_tiles, launched.col_blocks), kMmaThreads, kMmaSmem, stream>>>(launched);
       MOEKIT_CUDA_CHECK_LAUNCH();
     }
     return;
   }
-  const int64_t blocks = column_blocks(a, P, kSimtCols);
-  MOEKIT_CHECK(blocks <= 65535, "grouped_mm: too many column tiles (", blocks, ")");
-  simt_kernel<T, P><<<dim3(static_cast<unsigned>(max_tiles), static_cast<unsigned>(blocks)), 256, 0, stream>>>(g);
+  GroupedProblem launched = g;
+  launched.col_blocks = column_blocks(a, P, kSimtCols);
+  simt_kernel<T, P><<<grid_blocks(max_tiles, launched.col_blocks), 256, 0, stream>>>(launched);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 

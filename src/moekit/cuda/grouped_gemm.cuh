@@ -21,14 +21,20 @@ struct GroupedProblem {
   void* hidden = nullptr;  // [P, I] in the activation dtype (first offsets[E] rows used)
   float* y = nullptr;      // [P, H]
   int only_expert = -1;    // >= 0: the grid covers this expert's tiles only (eager)
+  int64_t col_blocks = 1;  // column blocks per row tile (set by the launcher)
 };
+
+// Blocks run column block fastest: the blocks in flight together share their row tiles (the left
+// operand is read from memory once, not once per column block) and their expert's weights.
+__device__ __forceinline__ int64_t block_row_tile(const GroupedProblem& g) { return blockIdx.x / g.col_blocks; }
+__device__ __forceinline__ int64_t block_col(const GroupedProblem& g) { return blockIdx.x % g.col_blocks; }
 
 // Which expert and which of its row tiles this block computes; false when the block has no work
 // (the grid is sized for the worst case of the routing).
 __device__ __forceinline__ bool find_tile(const GroupedProblem& g, int64_t& expert, int64_t& row_begin,
                                           int64_t& row_end, int tile_rows) {
   const int32_t* tiles = g.r.tile_offsets;
-  int64_t tile = blockIdx.x;
+  int64_t tile = block_row_tile(g);
   int64_t e;
   if (g.only_expert >= 0) {
     e = g.only_expert;
