@@ -6,7 +6,7 @@
 
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
-#include "moekit/backends/cuda_dispatch.h"
+#include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
 #include "moekit/cpu/gemv.h"
 
@@ -23,33 +23,15 @@ int64_t rows_per_task(int64_t row_elements, std::size_t element_bytes) {
   return std::max<int64_t>(16, kBytesPerTask / (row_elements * static_cast<int64_t>(element_bytes)));
 }
 
-class BatchedMmCpu final : public ExpertsBackend {
+class BatchedMm final : public PortableBackend {
  public:
+  BatchedMm() : PortableBackend(MOEKIT_CUDA_KERNELS(batched_mm)) {}
   std::string_view name() const override { return "batched_mm"; }
   std::string_view description() const override {
     return "one product per (token, expert) pair with that expert's weights in place; best for few tokens";
   }
-  Support supports_device(Device device) const override {
-    return device.is_cpu() ? Support::yes() : cuda_device_support(device);
-  }
-  Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
-
-  std::size_t workspace_bytes(const ExpertsProblem& p) const override {
-#if MOEKIT_HAS_CUDA
-    if (p.hidden_states.device().is_cuda()) return cuda::batched_mm_workspace_bytes(cuda_args(p));
-#endif
-    return cpu_workspace_bytes(p);
-  }
-
-  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override {
-#if MOEKIT_HAS_CUDA
-    if (p.hidden_states.device().is_cuda()) return cuda::batched_mm_forward(cuda_args(p, &out), workspace, cuda_stream(stream));
-#endif
-    (void)stream;
-    cpu_forward(p, out, workspace);
-  }
-
-  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const {
+ protected:
+  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     const ExpertsShape s = validate(p);
     const int64_t n = p.config.has_gate ? 2 * s.intermediate : s.intermediate;
     const int64_t block = std::min(s.tokens, kTokensPerBlock);
@@ -58,7 +40,7 @@ class BatchedMmCpu final : public ExpertsBackend {
            sizeof(float);
   }
 
-  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) {
+  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);
     const int64_t T = p.hidden_states.size(0), K = p.top_k_index.size(1);
     const int64_t H = layout.hidden, I = layout.intermediate, N = layout.up_outputs;
@@ -132,6 +114,6 @@ class BatchedMmCpu final : public ExpertsBackend {
 
 }  // namespace
 
-std::shared_ptr<ExpertsBackend> make_batched_mm() { return std::make_shared<BatchedMmCpu>(); }
+std::shared_ptr<ExpertsBackend> make_batched_mm() { return std::make_shared<BatchedMm>(); }
 
 }  // namespace moekit::backends

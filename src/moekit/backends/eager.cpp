@@ -7,7 +7,7 @@
 
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
-#include "moekit/backends/cuda_dispatch.h"
+#include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
 
 namespace moekit::backends {
@@ -40,34 +40,17 @@ EagerSizes eager_sizes(const ExpertsProblem& p) {
   return z;
 }
 
-class EagerCpu final : public ExpertsBackend {
+class Eager final : public PortableBackend {
  public:
+  Eager() : PortableBackend(MOEKIT_CUDA_KERNELS(eager)) {}
   std::string_view name() const override { return "eager"; }
   std::string_view description() const override {
     return "reference: loop over the hit experts, one product per expert on its tokens";
   }
-  Support supports_device(Device device) const override {
-    return device.is_cpu() ? Support::yes() : cuda_device_support(device);
-  }
-  Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
-  std::size_t workspace_bytes(const ExpertsProblem& p) const override {
-#if MOEKIT_HAS_CUDA
-    if (p.hidden_states.device().is_cuda()) return cuda::eager_workspace_bytes(cuda_args(p));
-#endif
-    return cpu_workspace_bytes(p);
-  }
+ protected:
+  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override { return eager_sizes(p).total(); }
 
-  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override {
-#if MOEKIT_HAS_CUDA
-    if (p.hidden_states.device().is_cuda()) return cuda::eager_forward(cuda_args(p, &out), workspace, cuda_stream(stream));
-#endif
-    (void)stream;
-    cpu_forward(p, out, workspace);
-  }
-
-  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const { return eager_sizes(p).total(); }
-
-  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) {
+  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);
     const EagerSizes z = eager_sizes(p);
     const cpu::ExpertRouting routing = cpu::route_by_expert(p.top_k_index, layout.experts);
@@ -124,6 +107,6 @@ class EagerCpu final : public ExpertsBackend {
 
 }  // namespace
 
-std::shared_ptr<ExpertsBackend> make_eager() { return std::make_shared<EagerCpu>(); }
+std::shared_ptr<ExpertsBackend> make_eager() { return std::make_shared<Eager>(); }
 
 }  // namespace moekit::backends

@@ -9,7 +9,7 @@
 
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
-#include "moekit/backends/cuda_dispatch.h"
+#include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
 
 namespace moekit::backends {
@@ -89,37 +89,20 @@ GroupedSizes grouped_sizes(const ExpertsProblem& p) {
   return z;
 }
 
-class GroupedMmCpu final : public ExpertsBackend {
+class GroupedMm final : public PortableBackend {
  public:
+  GroupedMm() : PortableBackend(MOEKIT_CUDA_KERNELS(grouped_mm)) {}
   std::string_view name() const override { return "grouped_mm"; }
   std::string_view description() const override {
     return "pairs sorted by expert, one grouped product per projection over packed weights; best for many tokens";
   }
-  Support supports_device(Device device) const override {
-    return device.is_cpu() ? Support::yes() : cuda_device_support(device);
-  }
-  Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
-  std::size_t workspace_bytes(const ExpertsProblem& p) const override {
-#if MOEKIT_HAS_CUDA
-    if (p.hidden_states.device().is_cuda()) return cuda::grouped_mm_workspace_bytes(cuda_args(p));
-#endif
-    return cpu_workspace_bytes(p);
-  }
-
-  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override {
-#if MOEKIT_HAS_CUDA
-    if (p.hidden_states.device().is_cuda()) return cuda::grouped_mm_forward(cuda_args(p, &out), workspace, cuda_stream(stream));
-#endif
-    (void)stream;
-    cpu_forward(p, out, workspace);
-  }
-
-  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const {
+ protected:
+  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     const GroupedSizes z = grouped_sizes(p);
     return z.x_bytes + z.hidden_bytes + z.y_bytes;
   }
 
-  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) {
+  void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);
     const GroupedSizes z = grouped_sizes(p);
     const cpu::ExpertRouting routing = cpu::route_by_expert(p.top_k_index, layout.experts);
@@ -227,6 +210,6 @@ class GroupedMmCpu final : public ExpertsBackend {
 
 }  // namespace
 
-std::shared_ptr<ExpertsBackend> make_grouped_mm() { return std::make_shared<GroupedMmCpu>(); }
+std::shared_ptr<ExpertsBackend> make_grouped_mm() { return std::make_shared<GroupedMm>(); }
 
 }  // namespace moekit::backends

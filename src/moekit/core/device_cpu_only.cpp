@@ -3,18 +3,18 @@
 #include <chrono>
 #include <cstring>
 
+#include "moekit/core/device_memory.h"
 #include "moekit/device.h"
 
 namespace moekit {
 namespace {
-constexpr const char* kNoCuda = "this build of moekit has no CUDA support (nvcc was not found at configure time)";
 double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 }  // namespace
 
 DeviceStream::DeviceStream(Device device) : device_(device) {
-  MOEKIT_CHECK(device.is_cpu(), "no stream on ", device_name(device), ": ", kNoCuda);
+  MOEKIT_CHECK(device.is_cpu(), "no stream on ", device_name(device), ": ", kNoCudaReason);
 }
 DeviceStream::~DeviceStream() = default;
 void DeviceStream::synchronize() const {}
@@ -26,10 +26,10 @@ void DeviceTimer::stop() { cpu_end_ = now_ms(); }
 double DeviceTimer::elapsed_ms() { return cpu_end_ - cpu_begin_; }
 
 CapturedGraph::CapturedGraph(const DeviceStream& stream, const std::function<void()>&) : stream_(stream) {
-  MOEKIT_FAIL("CUDA graphs: ", kNoCuda);
+  MOEKIT_FAIL("CUDA graphs: ", kNoCudaReason);
 }
 CapturedGraph::~CapturedGraph() = default;
-void CapturedGraph::replay() { MOEKIT_FAIL("CUDA graphs: ", kNoCuda); }
+void CapturedGraph::replay() { MOEKIT_FAIL("CUDA graphs: ", kNoCudaReason); }
 
 void copy_into(Tensor& dst, const Tensor& src, const DeviceStream&) {
   MOEKIT_CHECK(dst.shape() == src.shape() && dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous() &&

@@ -7,6 +7,10 @@
 
 namespace moekit {
 
+// Why CUDA cannot be used in a build without it.
+inline constexpr const char* kNoCudaReason =
+    "this build of moekit has no CUDA support (configured without it: nvcc not found or MOEKIT_CUDA=OFF)";
+
 void* device_allocate(std::size_t bytes, Device device);
 void device_free(void* data, Device device);
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes);

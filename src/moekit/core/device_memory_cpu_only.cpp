@@ -7,30 +7,26 @@
 
 namespace moekit {
 
-namespace {
-constexpr const char* kNoCuda = "this build of moekit has no CUDA support (nvcc was not found at configure time)";
-}  // namespace
-
 void* device_allocate(std::size_t bytes, Device device) {
-  MOEKIT_CHECK(device.is_cpu(), "cannot allocate on ", device_name(device), ": ", kNoCuda);
+  MOEKIT_CHECK(device.is_cpu(), "cannot allocate on ", device_name(device), ": ", kNoCudaReason);
   return host_allocate(bytes);
 }
 
 void device_free(void* data, Device) { host_free(data); }
 
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes) {
-  MOEKIT_CHECK(dst_device.is_cpu() && src_device.is_cpu(), "copy involving a CUDA device: ", kNoCuda);
+  MOEKIT_CHECK(dst_device.is_cpu() && src_device.is_cpu(), "copy involving a CUDA device: ", kNoCudaReason);
   if (bytes) std::memcpy(dst, src, bytes);
 }
 
 void device_memset(void* data, int value, std::size_t bytes, Device device) {
-  MOEKIT_CHECK(device.is_cpu(), "memset on ", device_name(device), ": ", kNoCuda);
+  MOEKIT_CHECK(device.is_cpu(), "memset on ", device_name(device), ": ", kNoCudaReason);
   if (bytes) std::memset(data, value, bytes);
 }
 
 bool device_available(Device device, std::string* why_not) {
   if (device.is_cpu()) return true;
-  if (why_not) *why_not = kNoCuda;
+  if (why_not) *why_not = kNoCudaReason;
   return false;
 }
 

@@ -1,4 +1,6 @@
-#include "moekit/backends/cuda_dispatch.h"
+#include "moekit/backends/portable_backend.h"
+
+#include "moekit/core/device_memory.h"
 
 namespace moekit::backends {
 
@@ -9,7 +11,7 @@ Support cuda_device_support(Device device) {
   return Support::no(why);
 #else
   (void)device;
-  return Support::no("this build of moekit has no CUDA support (nvcc was not found at configure time)");
+  return Support::no(kNoCudaReason);
 #endif
 }
 
@@ -53,5 +55,20 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
   return a;
 }
 #endif
+
+std::size_t PortableBackend::workspace_bytes(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  if (p.hidden_states.device().is_cuda()) return cuda_.workspace_bytes(cuda_args(p));
+#endif
+  return cpu_workspace_bytes(p);
+}
+
+void PortableBackend::forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) {
+#if MOEKIT_HAS_CUDA
+  if (p.hidden_states.device().is_cuda()) return cuda_.forward(cuda_args(p, &out), workspace, cuda_stream(stream));
+#endif
+  (void)stream;
+  cpu_forward(p, out, workspace);
+}
 
 }  // namespace moekit::backends

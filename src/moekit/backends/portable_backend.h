@@ -1,0 +1,61 @@
+// The base of the portable backends (eager, batched_mm, grouped_mm) and what they need to hand a
+// problem to the CUDA kernels: the device check and the kernel arguments. In builds without CUDA
+// the check says so and the CUDA half does not exist.
+#pragma once
+
+#include "moekit/experts.h"
+
+#if MOEKIT_HAS_CUDA
+#include "moekit/cuda/experts_cuda.h"
+#endif
+
+namespace moekit::backends {
+
+// yes for a visible CUDA device in a CUDA build; otherwise the reason.
+Support cuda_device_support(Device device);
+
+#if MOEKIT_HAS_CUDA
+// The kernel arguments of a validated problem on a CUDA device, writing into *out (null: sizes only).
+cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out = nullptr);
+inline cudaStream_t cuda_stream(Stream s) { return static_cast<cudaStream_t>(s.handle); }
+#endif
+
+// eager, batched_mm and grouped_mm: the same answer to "can you run here?" and the same split
+// between their CPU implementation (in the backend's file) and their CUDA kernels (named here).
+class PortableBackend : public ExpertsBackend {
+ public:
+  Support supports_device(Device device) const override {
+    return device.is_cpu() ? Support::yes() : cuda_device_support(device);
+  }
+  Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
+  std::size_t workspace_bytes(const ExpertsProblem& p) const override;
+  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override;
+
+ protected:
+#if MOEKIT_HAS_CUDA
+  struct CudaKernels {
+    std::size_t (*workspace_bytes)(const cuda::ExpertsArgs&);
+    void (*forward)(const cuda::ExpertsArgs&, void*, cudaStream_t);
+  };
+  explicit PortableBackend(CudaKernels kernels) : cuda_(kernels) {}
+#else
+  struct CudaKernels {};
+  explicit PortableBackend(CudaKernels) {}
+#endif
+  virtual std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const = 0;
+  virtual void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) = 0;
+
+ private:
+#if MOEKIT_HAS_CUDA
+  CudaKernels cuda_;
+#endif
+};
+
+// The CUDA entry points of a backend, or nothing in a CPU-only build.
+#if MOEKIT_HAS_CUDA
+#define MOEKIT_CUDA_KERNELS(name) {&cuda::name##_workspace_bytes, &cuda::name##_forward}
+#else
+#define MOEKIT_CUDA_KERNELS(name) {}
+#endif
+
+}  // namespace moekit::backends
