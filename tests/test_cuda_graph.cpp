@@ -51,8 +51,8 @@ TEST_P(CudaGraphCapture, ReplaysWithNewInputsAndRouting) {
     synchronize(Device::cuda());
     graph.replay();
     stream.synchronize();
-    const test::Comparison c = test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh),
-                                                            test::tolerance_for(o.dtype));
+    const test::Comparison c =
+        test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh), test::tolerance_for(o.dtype));
     EXPECT_TRUE(c.passed()) << backend << " replay " << round << ": " << c.summary();
   }
 }

@@ -415,7 +415,9 @@ struct CliCase {
 };
 
 // Keeps test names short and stable (gtest would otherwise print the case's bytes, pointers included).
-void PrintTo(const CliCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const CliCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 std::vector<CliCase> cli_cases() {
   std::vector<CliCase> cases;

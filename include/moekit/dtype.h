@@ -31,8 +31,12 @@ struct f16 {
   uint16_t bits;
 };
 
-inline float to_float(float v) { return v; }
-inline float to_float(bf16 v) { return std::bit_cast<float>(uint32_t{v.bits} << 16); }
+inline float to_float(float v) {
+  return v;
+}
+inline float to_float(bf16 v) {
+  return std::bit_cast<float>(uint32_t{v.bits} << 16);
+}
 float to_float(f16 v);
 
 template <typename T>
@@ -84,10 +88,14 @@ struct TypeTag {
 template <typename Fn>
 decltype(auto) visit_float_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::f32: return fn(TypeTag<float>{});
-    case DType::f16: return fn(TypeTag<f16>{});
-    case DType::bf16: return fn(TypeTag<bf16>{});
-    default: MOEKIT_FAIL("expected a floating dtype (f32, f16, bf16), got ", dtype_name(dtype));
+    case DType::f32:
+      return fn(TypeTag<float>{});
+    case DType::f16:
+      return fn(TypeTag<f16>{});
+    case DType::bf16:
+      return fn(TypeTag<bf16>{});
+    default:
+      MOEKIT_FAIL("expected a floating dtype (f32, f16, bf16), got ", dtype_name(dtype));
   }
 }
 
@@ -95,9 +103,12 @@ decltype(auto) visit_float_dtype(DType dtype, Fn&& fn) {
 template <typename Fn>
 decltype(auto) visit_index_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::i32: return fn(TypeTag<int32_t>{});
-    case DType::i64: return fn(TypeTag<int64_t>{});
-    default: MOEKIT_FAIL("expected an index dtype (i32, i64), got ", dtype_name(dtype));
+    case DType::i32:
+      return fn(TypeTag<int32_t>{});
+    case DType::i64:
+      return fn(TypeTag<int64_t>{});
+    default:
+      MOEKIT_FAIL("expected an index dtype (i32, i64), got ", dtype_name(dtype));
   }
 }
 

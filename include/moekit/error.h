@@ -27,9 +27,9 @@ std::string concat(const Args&... args) {
 }  // namespace moekit
 
 // MOEKIT_CHECK(cond, parts...): throws moekit::Error("file:line: check `cond` failed: parts...").
-#define MOEKIT_CHECK(cond, ...)                                                                    \
-  do {                                                                                             \
-    if (!(cond)) [[unlikely]]                                                                      \
+#define MOEKIT_CHECK(cond, ...)                                                                        \
+  do {                                                                                                 \
+    if (!(cond)) [[unlikely]]                                                                          \
       ::moekit::detail::throw_error(__FILE__, __LINE__, #cond, ::moekit::detail::concat(__VA_ARGS__)); \
   } while (0)
 

@@ -126,7 +126,7 @@ class ExpertsInterface {
 // out. Pass a workspace of at least workspace_bytes(problem) bytes (any dtype, on the problem's
 // device) to run with no allocation at all, e.g. inside a CUDA graph capture; otherwise one is
 // allocated for the call.
-Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend = "grouped_mm",
-                       Tensor out = Tensor(), Stream stream = Stream(), Tensor workspace = Tensor());
+Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend = "grouped_mm", Tensor out = Tensor(),
+                       Stream stream = Stream(), Tensor workspace = Tensor());
 
 }  // namespace moekit

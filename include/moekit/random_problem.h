@@ -20,9 +20,9 @@ struct RandomProblemOptions {
   ExpertsConfig config;
   uint64_t seed = 0;
   // Routing: each token picks top_k distinct experts uniformly at random, unless one of these is set.
-  bool all_to_one_expert = false;   // every slot routes to expert 0 (the others stay empty)
-  double sentinel_fraction = 0.0;   // this fraction of slots gets an id >= E
-  int64_t used_experts = 0;         // > 0: route only among the first used_experts (others empty)
+  bool all_to_one_expert = false;  // every slot routes to expert 0 (the others stay empty)
+  double sentinel_fraction = 0.0;  // this fraction of slots gets an id >= E
+  int64_t used_experts = 0;        // > 0: route only among the first used_experts (others empty)
   // Values: x ~ U(-1, 1); weights ~ U(-1, 1) / sqrt(fan_in) so activations stay O(1).
   float input_scale = 1.0f;
 };

@@ -72,8 +72,10 @@ class FlagTable {
   template <typename T>
   CLI::Option* add(const std::string& name, T& value, const std::string& help) {
     readers_.emplace_back(name, [&value] { return nlohmann::ordered_json(value); });
-    if constexpr (std::is_same_v<T, bool>) return cmd_->add_flag(name, value, help);  // --graphs, no value
-    else return cmd_->add_option(name, value, help)->capture_default_str();
+    if constexpr (std::is_same_v<T, bool>)
+      return cmd_->add_flag(name, value, help);  // --graphs, no value
+    else
+      return cmd_->add_option(name, value, help)->capture_default_str();
   }
 
   nlohmann::ordered_json values() const {

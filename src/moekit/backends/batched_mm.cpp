@@ -30,6 +30,7 @@ class BatchedMm final : public PortableBackend {
   std::string_view description() const override {
     return "one product per (token, expert) pair with that expert's weights in place; best for few tokens";
   }
+
  protected:
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     const ExpertsShape s = validate(p);
@@ -88,8 +89,8 @@ class BatchedMm final : public PortableBackend {
           float* g = projected + q * N;
           cpu::add_bias(layout.gate_up_bias, expert(i), 0, N, g);
           const int64_t gate_stride = layout.is_concatenated ? 1 : 2;
-          cpu::apply_activation(p.config, g + layout.gate_column(0), gate_stride, g + layout.up_column(0),
-                                gate_stride, I, hidden + q * I);
+          cpu::apply_activation(p.config, g + layout.gate_column(0), gate_stride, g + layout.up_column(0), gate_stride,
+                                I, hidden + q * I);
         }
         // Down projection, then bias.
         const int64_t down_tasks = (H + down_rows - 1) / down_rows;
@@ -114,6 +115,8 @@ class BatchedMm final : public PortableBackend {
 
 }  // namespace
 
-std::shared_ptr<ExpertsBackend> make_batched_mm() { return std::make_shared<BatchedMm>(); }
+std::shared_ptr<ExpertsBackend> make_batched_mm() {
+  return std::make_shared<BatchedMm>();
+}
 
 }  // namespace moekit::backends

@@ -22,7 +22,8 @@ ExpertLayout::ExpertLayout(const ExpertsProblem& p) {
 MatrixView ExpertLayout::up_matrix(int64_t e) const {
   MatrixView v;
   v.element_bytes = dtype_size(gate_up.dtype());
-  v.base = static_cast<const char*>(gate_up.data()) + static_cast<std::size_t>(e * up_outputs * hidden) * v.element_bytes;
+  v.base =
+      static_cast<const char*>(gate_up.data()) + static_cast<std::size_t>(e * up_outputs * hidden) * v.element_bytes;
   v.stride_out = is_transposed ? 1 : hidden;
   v.stride_in = is_transposed ? up_outputs : 1;
   return v;
@@ -31,7 +32,8 @@ MatrixView ExpertLayout::up_matrix(int64_t e) const {
 MatrixView ExpertLayout::down_matrix(int64_t e) const {
   MatrixView v;
   v.element_bytes = dtype_size(down.dtype());
-  v.base = static_cast<const char*>(down.data()) + static_cast<std::size_t>(e * hidden * intermediate) * v.element_bytes;
+  v.base =
+      static_cast<const char*>(down.data()) + static_cast<std::size_t>(e * hidden * intermediate) * v.element_bytes;
   v.stride_out = is_transposed ? 1 : intermediate;
   v.stride_in = is_transposed ? hidden : 1;
   return v;

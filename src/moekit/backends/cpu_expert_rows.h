@@ -1,5 +1,5 @@
-// Pieces the CPU backends (eager, batched_mm, grouped_mm) share: where each expert's weights and biases live whatever the layout
-// flags, and the deterministic weighted combine.
+// Pieces the CPU backends (eager, batched_mm, grouped_mm) share: where each expert's weights and biases live whatever
+// the layout flags, and the deterministic weighted combine.
 #pragma once
 
 #include <cstdint>
@@ -56,7 +56,8 @@ void add_bias(const Tensor& bias, int64_t e, int64_t first, int64_t n, float* y)
 
 // Reads the ids [T, K] into pair order: pair_row[t * K + k] = t * K + k, or -1 for a sentinel (>= E).
 // Negative ids throw, naming the token and slot.
-std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t experts, std::vector<int64_t>& expert_of_pair);
+std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t experts,
+                                          std::vector<int64_t>& expert_of_pair);
 
 }  // namespace moekit::cpu
 

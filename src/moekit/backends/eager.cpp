@@ -47,6 +47,7 @@ class Eager final : public PortableBackend {
   std::string_view description() const override {
     return "reference: loop over the hit experts, one product per expert on its tokens";
   }
+
  protected:
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override { return eager_sizes(p).total(); }
 
@@ -81,8 +82,8 @@ class Eager final : public PortableBackend {
         down = {reinterpret_cast<const char*>(down_rows), z.I, 1, sizeof(float)};
       }
       float* proj = projected + first * z.N;
-      cpu::matmul_strided(static_cast<const char*>(x) + static_cast<std::size_t>(first * z.H) * g, z.H, rows,
-                          up.base, z.H, z.N, up.stride_in, up.stride_out, z.gemm, proj, z.N);
+      cpu::matmul_strided(static_cast<const char*>(x) + static_cast<std::size_t>(first * z.H) * g, z.H, rows, up.base,
+                          z.H, z.N, up.stride_in, up.stride_out, z.gemm, proj, z.N);
       char* hid = hidden + static_cast<std::size_t>(first * z.I) * g;
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
@@ -107,6 +108,8 @@ class Eager final : public PortableBackend {
 
 }  // namespace
 
-std::shared_ptr<ExpertsBackend> make_eager() { return std::make_shared<Eager>(); }
+std::shared_ptr<ExpertsBackend> make_eager() {
+  return std::make_shared<Eager>();
+}
 
 }  // namespace moekit::backends

@@ -27,13 +27,17 @@ constexpr int64_t kRowBlock = 512;
 constexpr int64_t kExactRows = 8;
 constexpr int64_t kRowRound = 16;
 
-int64_t rows_to_run(int64_t rows) { return rows <= kExactRows ? rows : (rows + kRowRound - 1) / kRowRound * kRowRound; }
+int64_t rows_to_run(int64_t rows) {
+  return rows <= kExactRows ? rows : (rows + kRowRound - 1) / kRowRound * kRowRound;
+}
 
 // One projection of every expert, packed in column chunks: chunks[e * per_expert + c].
 struct PackedProjection {
   int64_t per_expert = 0;
   std::vector<std::unique_ptr<cpu::PackedWeights>> chunks;
-  const cpu::PackedWeights& at(int64_t e, int64_t c) const { return *chunks[static_cast<std::size_t>(e * per_expert + c)]; }
+  const cpu::PackedWeights& at(int64_t e, int64_t c) const {
+    return *chunks[static_cast<std::size_t>(e * per_expert + c)];
+  }
 };
 
 std::string pack_key(const char* what, const Tensor& w, const cpu::ExpertLayout& l, cpu::GemmDType g) {
@@ -46,8 +50,8 @@ std::string pack_key(const char* what, const Tensor& w, const cpu::ExpertLayout&
 
 // Packs chunk c of every expert in parallel; outputs_of(c) lists the weight rows of chunk c in order.
 template <typename MatrixOf, typename Outputs>
-std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t k_len, DType w_dtype,
-                                       cpu::GemmDType g, MatrixOf&& matrix_of, Outputs&& outputs_of) {
+std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t k_len, DType w_dtype, cpu::GemmDType g,
+                                       MatrixOf&& matrix_of, Outputs&& outputs_of) {
   auto packed = std::make_shared<PackedProjection>();
   packed->per_expert = chunks;
   packed->chunks.resize(static_cast<std::size_t>(experts * chunks));
@@ -96,6 +100,7 @@ class GroupedMm final : public PortableBackend {
   std::string_view description() const override {
     return "pairs sorted by expert, one grouped product per projection over packed weights; best for many tokens";
   }
+
  protected:
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     const GroupedSizes z = grouped_sizes(p);
@@ -145,8 +150,10 @@ class GroupedMm final : public PortableBackend {
           float* row = scratch.data() + r * cols;
           if (layout.has_bias) {
             for (int64_t j = 0; j < width; ++j) {
-              cpu::add_bias(layout.gate_up_bias, b.e, layout.has_gate ? layout.gate_column(j0 + j) : j0 + j, 1, row + j);
-              if (layout.has_gate) cpu::add_bias(layout.gate_up_bias, b.e, layout.up_column(j0 + j), 1, row + width + j);
+              cpu::add_bias(layout.gate_up_bias, b.e, layout.has_gate ? layout.gate_column(j0 + j) : j0 + j, 1,
+                            row + j);
+              if (layout.has_gate)
+                cpu::add_bias(layout.gate_up_bias, b.e, layout.up_column(j0 + j), 1, row + width + j);
             }
           }
           char* dst = hidden + static_cast<std::size_t>((b.first + r) * I + j0) * g;
@@ -210,6 +217,8 @@ class GroupedMm final : public PortableBackend {
 
 }  // namespace
 
-std::shared_ptr<ExpertsBackend> make_grouped_mm() { return std::make_shared<GroupedMm>(); }
+std::shared_ptr<ExpertsBackend> make_grouped_mm() {
+  return std::make_shared<GroupedMm>();
+}
 
 }  // namespace moekit::backends

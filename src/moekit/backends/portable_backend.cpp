@@ -44,11 +44,21 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
     a.swiglu_alpha = c.swiglu_alpha;
   } else {
     switch (c.activation) {
-      case Activation::silu: a.act = cuda::Act::silu; break;
-      case Activation::gelu: a.act = cuda::Act::gelu; break;
-      case Activation::gelu_pytorch_tanh: a.act = cuda::Act::gelu_tanh; break;
-      case Activation::relu: a.act = cuda::Act::relu; break;
-      case Activation::relu2: a.act = cuda::Act::relu2; break;
+      case Activation::silu:
+        a.act = cuda::Act::silu;
+        break;
+      case Activation::gelu:
+        a.act = cuda::Act::gelu;
+        break;
+      case Activation::gelu_pytorch_tanh:
+        a.act = cuda::Act::gelu_tanh;
+        break;
+      case Activation::relu:
+        a.act = cuda::Act::relu;
+        break;
+      case Activation::relu2:
+        a.act = cuda::Act::relu2;
+        break;
     }
   }
   a.out = out ? out->data() : nullptr;

@@ -17,7 +17,9 @@ Support cuda_device_support(Device device);
 #if MOEKIT_HAS_CUDA
 // The kernel arguments of a validated problem on a CUDA device, writing into *out (null: sizes only).
 cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out = nullptr);
-inline cudaStream_t cuda_stream(Stream s) { return static_cast<cudaStream_t>(s.handle); }
+inline cudaStream_t cuda_stream(Stream s) {
+  return static_cast<cudaStream_t>(s.handle);
+}
 #endif
 
 // eager, batched_mm and grouped_mm: the same answer to "can you run here?" and the same split
@@ -53,9 +55,11 @@ class PortableBackend : public ExpertsBackend {
 
 // The CUDA entry points of a backend, or nothing in a CPU-only build.
 #if MOEKIT_HAS_CUDA
-#define MOEKIT_CUDA_KERNELS(name) {&cuda::name##_workspace_bytes, &cuda::name##_forward}
+#define MOEKIT_CUDA_KERNELS(name) \
+  { &cuda::name##_workspace_bytes, &cuda::name##_forward }
 #else
-#define MOEKIT_CUDA_KERNELS(name) {}
+#define MOEKIT_CUDA_KERNELS(name) \
+  {}
 #endif
 
 }  // namespace moekit::backends

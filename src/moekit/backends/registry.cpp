@@ -48,8 +48,7 @@ ExpertsBackend& ExpertsInterface::get(std::string_view name) const {
 
 bool ExpertsInterface::contains(std::string_view name) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  return std::any_of(impl_->backends.begin(), impl_->backends.end(),
-                     [&](const auto& b) { return b->name() == name; });
+  return std::any_of(impl_->backends.begin(), impl_->backends.end(), [&](const auto& b) { return b->name() == name; });
 }
 
 std::vector<std::string> ExpertsInterface::names() const {

@@ -21,15 +21,23 @@ void DeviceStream::synchronize() const {}
 
 DeviceTimer::DeviceTimer(const DeviceStream& stream) : stream_(stream) {}
 DeviceTimer::~DeviceTimer() = default;
-void DeviceTimer::start() { cpu_begin_ = now_ms(); }
-void DeviceTimer::stop() { cpu_end_ = now_ms(); }
-double DeviceTimer::elapsed_ms() { return cpu_end_ - cpu_begin_; }
+void DeviceTimer::start() {
+  cpu_begin_ = now_ms();
+}
+void DeviceTimer::stop() {
+  cpu_end_ = now_ms();
+}
+double DeviceTimer::elapsed_ms() {
+  return cpu_end_ - cpu_begin_;
+}
 
 CapturedGraph::CapturedGraph(const DeviceStream& stream, const std::function<void()>&) : stream_(stream) {
   MOEKIT_FAIL("CUDA graphs: ", kNoCudaReason);
 }
 CapturedGraph::~CapturedGraph() = default;
-void CapturedGraph::replay() { MOEKIT_FAIL("CUDA graphs: ", kNoCudaReason); }
+void CapturedGraph::replay() {
+  MOEKIT_FAIL("CUDA graphs: ", kNoCudaReason);
+}
 
 void copy_into(Tensor& dst, const Tensor& src, const DeviceStream&) {
   MOEKIT_CHECK(dst.shape() == src.shape() && dst.dtype() == src.dtype() && dst.is_contiguous() && src.is_contiguous() &&

@@ -12,7 +12,9 @@ namespace {
 void check(cudaError_t status, const char* what) {
   MOEKIT_CHECK(status == cudaSuccess, what, " failed: ", cudaGetErrorString(status));
 }
-cudaStream_t as_stream(void* h) { return static_cast<cudaStream_t>(h); }
+cudaStream_t as_stream(void* h) {
+  return static_cast<cudaStream_t>(h);
+}
 double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -52,13 +54,17 @@ DeviceTimer::~DeviceTimer() {
 }
 
 void DeviceTimer::start() {
-  if (begin_) check(cudaEventRecord(static_cast<cudaEvent_t>(begin_), as_stream(stream_.stream().handle)), "cudaEventRecord");
-  else cpu_begin_ = now_ms();
+  if (begin_)
+    check(cudaEventRecord(static_cast<cudaEvent_t>(begin_), as_stream(stream_.stream().handle)), "cudaEventRecord");
+  else
+    cpu_begin_ = now_ms();
 }
 
 void DeviceTimer::stop() {
-  if (end_) check(cudaEventRecord(static_cast<cudaEvent_t>(end_), as_stream(stream_.stream().handle)), "cudaEventRecord");
-  else cpu_end_ = now_ms();
+  if (end_)
+    check(cudaEventRecord(static_cast<cudaEvent_t>(end_), as_stream(stream_.stream().handle)), "cudaEventRecord");
+  else
+    cpu_end_ = now_ms();
 }
 
 double DeviceTimer::elapsed_ms() {

@@ -12,7 +12,9 @@ void* device_allocate(std::size_t bytes, Device device) {
   return host_allocate(bytes);
 }
 
-void device_free(void* data, Device) { host_free(data); }
+void device_free(void* data, Device) {
+  host_free(data);
+}
 
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, std::size_t bytes) {
   MOEKIT_CHECK(dst_device.is_cpu() && src_device.is_cpu(), "copy involving a CUDA device: ", kNoCudaReason);

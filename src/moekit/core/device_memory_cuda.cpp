@@ -80,8 +80,9 @@ bool device_available(Device device, std::string* why_not) {
     return false;
   }
   if (device.index >= count) {
-    if (why_not) *why_not = "cuda:" + std::to_string(device.index) + " does not exist; " + std::to_string(count) +
-                            " CUDA device(s) visible";
+    if (why_not)
+      *why_not = "cuda:" + std::to_string(device.index) + " does not exist; " + std::to_string(count) +
+                 " CUDA device(s) visible";
     return false;
   }
   return true;

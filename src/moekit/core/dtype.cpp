@@ -35,9 +35,15 @@ const DTypeInfo& info(DType dtype) {
 
 }  // namespace
 
-std::string_view dtype_name(DType dtype) { return info(dtype).name; }
-std::size_t dtype_size(DType dtype) { return info(dtype).size; }
-bool is_floating(DType dtype) { return info(dtype).floating; }
+std::string_view dtype_name(DType dtype) {
+  return info(dtype).name;
+}
+std::size_t dtype_size(DType dtype) {
+  return info(dtype).size;
+}
+bool is_floating(DType dtype) {
+  return info(dtype).floating;
+}
 
 DType parse_dtype(std::string_view name) {
   std::string lower;
@@ -71,7 +77,7 @@ f16 from_float<f16>(float v) {
   const uint32_t u = std::bit_cast<uint32_t>(v);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return f16{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (abs > 0x7f800000u) return f16{static_cast<uint16_t>(sign | 0x7e00u)};   // NaN
   if (abs >= 0x477ff000u) return f16{static_cast<uint16_t>(sign | 0x7c00u)};  // rounds to inf
   if (abs < 0x38800000u) {
     // Subnormal or zero in f16: round |v| * 2^24 to the nearest integer, ties to even.

@@ -53,8 +53,7 @@ void check_tensor(const Tensor& t, const char* name, int64_t rank, Device device
 }
 
 void check_shape(const Tensor& t, const char* name, const Shape& expected, const char* meaning) {
-  MOEKIT_CHECK(t.shape() == expected, name, " must be ", shape_string(expected), " ", meaning, ", got ",
-               t.describe());
+  MOEKIT_CHECK(t.shape() == expected, name, " must be ", shape_string(expected), " ", meaning, ", got ", t.describe());
 }
 
 }  // namespace
@@ -88,8 +87,8 @@ ExpertsShape validate(const ExpertsProblem& p) {
 
   const char* up_name = c.has_gate ? "gate_up_proj" : "up_proj";
   check_tensor(p.gate_up_proj, up_name, 3, device);
-  MOEKIT_CHECK(p.gate_up_proj.dtype() == dtype, up_name, " must have the dtype of hidden_states (",
-               dtype_name(dtype), "), got ", p.gate_up_proj.describe());
+  MOEKIT_CHECK(p.gate_up_proj.dtype() == dtype, up_name, " must have the dtype of hidden_states (", dtype_name(dtype),
+               "), got ", p.gate_up_proj.describe());
   s.experts = p.gate_up_proj.size(0);
   MOEKIT_CHECK(s.experts > 0, up_name, " has no experts: ", p.gate_up_proj.describe());
   const int64_t h_dim = c.is_transposed ? 1 : 2;

@@ -25,6 +25,8 @@ void* host_allocate(std::size_t bytes) {
   return p;
 }
 
-void host_free(void* data) { std::free(data); }
+void host_free(void* data) {
+  std::free(data);
+}
 
 }  // namespace moekit

@@ -81,8 +81,8 @@ void redraw_routing(ExpertsProblem& problem, const RandomProblemOptions& o, uint
 
 ExpertsProblem make_random_problem(const RandomProblemOptions& o) {
   MOEKIT_CHECK(o.tokens >= 0 && o.hidden > 0 && o.intermediate > 0 && o.experts > 0 && o.top_k > 0,
-               "make_random_problem: bad sizes T=", o.tokens, " H=", o.hidden, " I=", o.intermediate,
-               " E=", o.experts, " K=", o.top_k);
+               "make_random_problem: bad sizes T=", o.tokens, " H=", o.hidden, " I=", o.intermediate, " E=", o.experts,
+               " K=", o.top_k);
   std::mt19937_64 rng(o.seed);
   const ExpertsConfig& c = o.config;
   const int64_t T = o.tokens, H = o.hidden, I = o.intermediate, E = o.experts;

@@ -34,8 +34,7 @@ Storage::~Storage() {
   if (deleter_) deleter_(data_);
 }
 
-std::shared_ptr<void> Storage::attachment(const std::string& key,
-                                          const std::function<std::shared_ptr<void>()>& make) {
+std::shared_ptr<void> Storage::attachment(const std::string& key, const std::function<std::shared_ptr<void>()>& make) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = attachments_.find(key);
   if (it != attachments_.end()) return it->second;
@@ -123,9 +122,9 @@ Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, Sh
 Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, std::size_t offset_bytes, Shape shape, DType dtype) {
   MOEKIT_CHECK(storage != nullptr, "from_storage: null storage");
   const auto bytes = static_cast<std::size_t>(checked_numel(shape)) * dtype_size(dtype);
-  MOEKIT_CHECK(offset_bytes <= storage->bytes() && bytes <= storage->bytes() - offset_bytes, "from_storage: ",
-               dtype_name(dtype), shape_string(shape), " at byte ", offset_bytes, " overruns a storage of ",
-               storage->bytes(), " bytes");
+  MOEKIT_CHECK(offset_bytes <= storage->bytes() && bytes <= storage->bytes() - offset_bytes,
+               "from_storage: ", dtype_name(dtype), shape_string(shape), " at byte ", offset_bytes,
+               " overruns a storage of ", storage->bytes(), " bytes");
   Tensor t;
   t.device_ = storage->device();
   t.storage_ = std::move(storage);

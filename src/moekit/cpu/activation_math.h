@@ -28,17 +28,22 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-inline float sigmoid_approx(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
+inline float sigmoid_approx(float x) {
+  return 1.0f / (1.0f + exp_approx(-x));
+}
 
 inline float erf_approx(float x) {
   const float a = std::fabs(x);
   const float t = 1.0f / (1.0f + 0.3275911f * a);
-  const float poly = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t;
+  const float poly =
+      ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t;
   const float e = 1.0f - poly * exp_approx(-a * a);
   return std::copysign(e, x);
 }
 
-inline float tanh_approx(float x) { return 1.0f - 2.0f / (exp_approx(2.0f * x) + 1.0f); }
+inline float tanh_approx(float x) {
+  return 1.0f - 2.0f / (exp_approx(2.0f * x) + 1.0f);
+}
 
 // h[j] = act(gate[j * gate_stride]) * up[j * up_stride] for gated experts (up ignored when not gated),
 // or the GPT-OSS clamped SwiGLU when config.swiglu_limit is set. Writes n values to h.
@@ -65,13 +70,21 @@ void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_st
     return;
   }
   switch (c.activation) {
-    case Activation::silu: run([](float g) { return g * sigmoid_approx(g); }); break;
-    case Activation::gelu: run([](float g) { return 0.5f * g * (1.0f + erf_approx(g * 0.70710678118654752f)); }); break;
+    case Activation::silu:
+      run([](float g) { return g * sigmoid_approx(g); });
+      break;
+    case Activation::gelu:
+      run([](float g) { return 0.5f * g * (1.0f + erf_approx(g * 0.70710678118654752f)); });
+      break;
     case Activation::gelu_pytorch_tanh:
       run([](float g) { return 0.5f * g * (1.0f + tanh_approx(0.79788456080286536f * (g + 0.044715f * g * g * g))); });
       break;
-    case Activation::relu: run([](float g) { return g > 0.0f ? g : 0.0f; }); break;
-    case Activation::relu2: run([](float g) { return g > 0.0f ? g * g : 0.0f; }); break;
+    case Activation::relu:
+      run([](float g) { return g > 0.0f ? g : 0.0f; });
+      break;
+    case Activation::relu2:
+      run([](float g) { return g > 0.0f ? g * g : 0.0f; });
+      break;
   }
 }
 

@@ -34,7 +34,9 @@ void portable_gemv_cols(const W* w, int64_t ldw, const float* x, float* y, int64
 
 }  // namespace
 
-bool gemv_uses_avx512() { return cpu_has_avx512(); }
+bool gemv_uses_avx512() {
+  return cpu_has_avx512();
+}
 
 template <typename W>
 void gemv_rows(const W* w, int64_t ldw, const float* x, float* y, int64_t n_rows, int64_t k_len) {
@@ -52,7 +54,7 @@ void gemv_cols(const W* w, int64_t ldw, const float* x, float* y, int64_t n_cols
     portable_gemv_cols(w, ldw, x, y, n_cols, k_len);
 }
 
-#define MOEKIT_INSTANTIATE_GEMV(W)                                                  \
+#define MOEKIT_INSTANTIATE_GEMV(W)                                                       \
   template void gemv_rows<W>(const W*, int64_t, const float*, float*, int64_t, int64_t); \
   template void gemv_cols<W>(const W*, int64_t, const float*, float*, int64_t, int64_t);
 MOEKIT_INSTANTIATE_GEMV(float)

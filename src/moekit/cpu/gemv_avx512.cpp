@@ -8,15 +8,23 @@
 namespace moekit::cpu::avx512 {
 namespace {
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+inline __m512 load16(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 load16(const bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16_masked(const f16* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+inline __m512 load16_masked(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+inline __m512 load16_masked(const f16* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
 inline __m512 load16_masked(const bf16* p, __mmask16 m) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -74,13 +82,12 @@ void gemv_cols(const W* w, int64_t ldw, const float* x, float* y, int64_t n_cols
   for (; n < n_cols; n += 16) {
     const __mmask16 m = tail_mask(n_cols - n);
     __m512 a = _mm512_setzero_ps();
-    for (int64_t k = 0; k < k_len; ++k)
-      a = _mm512_fmadd_ps(load16_masked(w + k * ldw + n, m), _mm512_set1_ps(x[k]), a);
+    for (int64_t k = 0; k < k_len; ++k) a = _mm512_fmadd_ps(load16_masked(w + k * ldw + n, m), _mm512_set1_ps(x[k]), a);
     _mm512_mask_storeu_ps(y + n, m, a);
   }
 }
 
-#define MOEKIT_INSTANTIATE_GEMV(W)                                                  \
+#define MOEKIT_INSTANTIATE_GEMV(W)                                                       \
   template void gemv_rows<W>(const W*, int64_t, const float*, float*, int64_t, int64_t); \
   template void gemv_cols<W>(const W*, int64_t, const float*, float*, int64_t, int64_t);
 MOEKIT_INSTANTIATE_GEMV(float)

@@ -24,7 +24,9 @@ dnnl::stream& thread_stream() {
   return stream;
 }
 
-memory::data_type to_dnnl(GemmDType d) { return d == GemmDType::bf16 ? memory::data_type::bf16 : memory::data_type::f32; }
+memory::data_type to_dnnl(GemmDType d) {
+  return d == GemmDType::bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+}
 
 // The blocked weight layout oneDNN prefers for an [K, N] product, fixed per (K, N, dtype) so that one
 // packing serves products of every row count. Chosen from a 64-row product.
@@ -37,7 +39,8 @@ memory::desc packed_layout(int64_t n, int64_t k, GemmDType dtype) {
   if (it != layouts.end()) return it->second;
   const auto dt = to_dnnl(dtype);
   dnnl::matmul::primitive_desc pd(
-      dnnl::matmul::desc(memory::desc({64, k}, dt, memory::format_tag::ab), memory::desc({k, n}, dt, memory::format_tag::any),
+      dnnl::matmul::desc(memory::desc({64, k}, dt, memory::format_tag::ab),
+                         memory::desc({k, n}, dt, memory::format_tag::any),
                          memory::desc({64, n}, memory::data_type::f32, memory::format_tag::ab)),
       cpu_engine());
   return layouts.emplace(key, pd.weights_desc()).first->second;
@@ -88,7 +91,9 @@ GemmDType gemm_dtype_for(DType activation_dtype) {
   return activation_dtype == DType::bf16 ? GemmDType::bf16 : GemmDType::f32;
 }
 
-std::size_t gemm_dtype_size(GemmDType dtype) { return dtype == GemmDType::bf16 ? 2 : 4; }
+std::size_t gemm_dtype_size(GemmDType dtype) {
+  return dtype == GemmDType::bf16 ? 2 : 4;
+}
 
 struct PackedWeights::Impl {
   memory::desc layout;
@@ -109,7 +114,9 @@ PackedWeights::PackedWeights(const void* rows_nk, int64_t n, int64_t k, GemmDTyp
 
 PackedWeights::~PackedWeights() = default;
 
-std::size_t PackedWeights::bytes() const { return impl_->layout.get_size(); }
+std::size_t PackedWeights::bytes() const {
+  return impl_->layout.get_size();
+}
 
 void PackedWeights::multiply(const void* a, int64_t lda, int64_t m, float* c, int64_t ldc) const {
   if (m == 0) return;

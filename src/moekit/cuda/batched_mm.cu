@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(256) up_cols_kernel(const ExpertsArgs a, float
   partial[threadIdx.y][threadIdx.x][1] = u;
   __syncthreads();
   if (threadIdx.y == 0 && j < I) {
-    g = partial[0][threadIdx.x][0] + partial[1][threadIdx.x][0] + partial[2][threadIdx.x][0] + partial[3][threadIdx.x][0];
-    u = partial[0][threadIdx.x][1] + partial[1][threadIdx.x][1] + partial[2][threadIdx.x][1] + partial[3][threadIdx.x][1];
+    g = partial[0][threadIdx.x][0] + partial[1][threadIdx.x][0] + partial[2][threadIdx.x][0] +
+        partial[3][threadIdx.x][0];
+    u = partial[0][threadIdx.x][1] + partial[1][threadIdx.x][1] + partial[2][threadIdx.x][1] +
+        partial[3][threadIdx.x][1];
     if (a.up_bias) {
       const T* b = static_cast<const T*>(a.up_bias) + e * N;
       g += to_f(b[a.has_gate ? gate_col(a, j) : j]);
@@ -244,7 +246,9 @@ __global__ void __launch_bounds__(256) down_cols_kernel(const ExpertsArgs a, con
     static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out_acc);
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
 
 template <typename T>
 void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
@@ -256,10 +260,10 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   if (P == 0) return;
   if (a.transposed) {
     auto* up_kernel = up_cols_kernel<T>;
-    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(x_bytes)));
-    up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + 63) / 64)), dim3(64, 4),
-                x_bytes, stream>>>(a, hidden);
+    MOEKIT_CUDA_CHECK(
+        cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
+    up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + 63) / 64)), dim3(64, 4), x_bytes,
+                stream>>>(a, hidden);
     MOEKIT_CUDA_CHECK_LAUNCH();
     down_cols_kernel<T><<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + 63) / 64)),
                           dim3(64, 4), 0, stream>>>(a, hidden);
@@ -272,12 +276,14 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   auto* up_kernel = vec_up ? up_rows_kernel<T, true> : up_rows_kernel<T, false>;
   MOEKIT_CUDA_CHECK(
       cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
-  up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
+  up_kernel<<<dim3(static_cast<unsigned>(P),
+                   static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
               kWarps * 32, x_bytes, stream>>>(a, hidden);
   MOEKIT_CUDA_CHECK_LAUNCH();
   auto* down_kernel = vec_down ? down_rows_kernel<T, true> : down_rows_kernel<T, false>;
   constexpr int kDownPerBlock = kWarps * kDownRows;
-  down_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
+  down_kernel<<<dim3(static_cast<unsigned>(a.tokens),
+                     static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
                 kWarps * 32, 0, stream>>>(a, hidden);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }

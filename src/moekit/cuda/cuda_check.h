@@ -5,9 +5,9 @@
 
 #include "moekit/error.h"
 
-#define MOEKIT_CUDA_CHECK(call)                                                                   \
-  do {                                                                                            \
-    const cudaError_t moekit_status_ = (call);                                                    \
+#define MOEKIT_CUDA_CHECK(call)                                                                          \
+  do {                                                                                                   \
+    const cudaError_t moekit_status_ = (call);                                                           \
     MOEKIT_CHECK(moekit_status_ == cudaSuccess, #call, " failed: ", cudaGetErrorString(moekit_status_)); \
   } while (0)
 

@@ -12,10 +12,18 @@
 
 namespace moekit::cuda {
 
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(bf16 v) { return __uint_as_float(static_cast<uint32_t>(v.bits) << 16); }
-__device__ __forceinline__ float to_f(f16 v) { return __half2float(__ushort_as_half(v.bits)); }
-__device__ __forceinline__ float to_f(int32_t v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_f(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_f(bf16 v) {
+  return __uint_as_float(static_cast<uint32_t>(v.bits) << 16);
+}
+__device__ __forceinline__ float to_f(f16 v) {
+  return __half2float(__ushort_as_half(v.bits));
+}
+__device__ __forceinline__ float to_f(int32_t v) {
+  return static_cast<float>(v);
+}
 
 template <typename T>
 __device__ __forceinline__ T from_f(float v);
@@ -63,16 +71,26 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) {
+  return 1.0f / (1.0f + __expf(-x));
+}
 
 // act(gate) * up for gated experts, act(gate) alone otherwise; the GPT-OSS clamped SwiGLU uses both.
 __device__ __forceinline__ float activate(const ExpertsArgs& a, float g, float u) {
   float h;
   switch (a.act) {
-    case Act::silu: h = g * sigmoid(g); break;
-    case Act::gelu: h = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)); break;
-    case Act::gelu_tanh: h = 0.5f * g * (1.0f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g))); break;
-    case Act::relu: h = fmaxf(g, 0.0f); break;
+    case Act::silu:
+      h = g * sigmoid(g);
+      break;
+    case Act::gelu:
+      h = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
+      break;
+    case Act::gelu_tanh:
+      h = 0.5f * g * (1.0f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g)));
+      break;
+    case Act::relu:
+      h = fmaxf(g, 0.0f);
+      break;
     case Act::relu2: {
       const float r = fmaxf(g, 0.0f);
       h = r * r;
@@ -88,7 +106,9 @@ __device__ __forceinline__ float activate(const ExpertsArgs& a, float g, float u
 }
 
 // Columns of the first projection holding gate j and up j.
-__device__ __forceinline__ int64_t gate_col(const ExpertsArgs& a, int64_t j) { return a.concatenated ? j : 2 * j; }
+__device__ __forceinline__ int64_t gate_col(const ExpertsArgs& a, int64_t j) {
+  return a.concatenated ? j : 2 * j;
+}
 __device__ __forceinline__ int64_t up_col(const ExpertsArgs& a, int64_t j) {
   return a.concatenated ? a.intermediate + j : 2 * j + 1;
 }

@@ -7,14 +7,16 @@
 
 namespace moekit::cuda {
 
-std::size_t eager_workspace_bytes(const ExpertsArgs& a) { return grouped_buffers_bytes(a); }
+std::size_t eager_workspace_bytes(const ExpertsArgs& a) {
+  return grouped_buffers_bytes(a);
+}
 
 void eager_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   GroupedProblem g = grouped_buffers(a, workspace);
   route_on_device(a, kTileRows, static_cast<char*>(workspace) + kRoutingOffset, g.r, stream);
   std::vector<int32_t> offsets(static_cast<std::size_t>(a.experts + 1));
-  MOEKIT_CUDA_CHECK(cudaMemcpyAsync(offsets.data(), g.r.offsets, offsets.size() * sizeof(int32_t),
-                                    cudaMemcpyDeviceToHost, stream));
+  MOEKIT_CUDA_CHECK(
+      cudaMemcpyAsync(offsets.data(), g.r.offsets, offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (int64_t e = 0; e < a.experts; ++e) {
     const int64_t rows = offsets[static_cast<std::size_t>(e + 1)] - offsets[static_cast<std::size_t>(e)];

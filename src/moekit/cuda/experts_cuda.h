@@ -17,20 +17,20 @@ enum class Act : uint8_t { silu, gelu, gelu_tanh, relu, relu2, clamped_swiglu };
 // One experts call on the device (DESIGN §2). All pointers are device pointers of contiguous tensors.
 struct ExpertsArgs {
   int64_t tokens = 0, hidden = 0, intermediate = 0, experts = 0, top_k = 0;
-  DType dtype = DType::bf16;          // hidden_states, weights, biases and out
-  DType index_dtype = DType::i64;     // top_k_index
-  DType routing_dtype = DType::f32;   // top_k_weights
-  const void* x = nullptr;            // [T, H]
-  const void* ids = nullptr;          // [T, K]
+  DType dtype = DType::bf16;              // hidden_states, weights, biases and out
+  DType index_dtype = DType::i64;         // top_k_index
+  DType routing_dtype = DType::f32;       // top_k_weights
+  const void* x = nullptr;                // [T, H]
+  const void* ids = nullptr;              // [T, K]
   const void* routing_weights = nullptr;  // [T, K]
-  const void* up = nullptr;           // [E, N, H] or transposed [E, H, N]; N = 2I gated, I not
-  const void* down = nullptr;         // [E, H, I] or transposed [E, I, H]
-  const void* up_bias = nullptr;      // [E, N] or null
-  const void* down_bias = nullptr;    // [E, H] or null
+  const void* up = nullptr;               // [E, N, H] or transposed [E, H, N]; N = 2I gated, I not
+  const void* down = nullptr;             // [E, H, I] or transposed [E, I, H]
+  const void* up_bias = nullptr;          // [E, N] or null
+  const void* down_bias = nullptr;        // [E, H] or null
   bool has_gate = true, transposed = false, concatenated = true;
   Act act = Act::silu;
   float swiglu_limit = 0, swiglu_alpha = 0;
-  void* out = nullptr;                // [T, H]
+  void* out = nullptr;  // [T, H]
 };
 
 std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a);

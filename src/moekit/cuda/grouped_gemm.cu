@@ -81,7 +81,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
   const int bytes = valid ? 16 : 0;  // 0: fill with zeros, read nothing
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -209,12 +211,14 @@ __global__ void __launch_bounds__(kMmaThreads) mma_kernel(const GroupedProblem g
   store_tile<T, P, kTileRows, kMmaCols>(g, c, kCPitch, expert, row_begin, row_end, block_col(g));
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
 
 // One-dimensional grid of row tiles x column blocks (column block fastest, see block_col).
 unsigned grid_blocks(int64_t row_tiles, int64_t col_blocks) {
-  MOEKIT_CHECK(row_tiles * col_blocks <= 0x7fffffff, "grouped_mm: too many tiles for one launch (", row_tiles,
-               " x ", col_blocks, ")");
+  MOEKIT_CHECK(row_tiles * col_blocks <= 0x7fffffff, "grouped_mm: too many tiles for one launch (", row_tiles, " x ",
+               col_blocks, ")");
   return static_cast<unsigned>(row_tiles * col_blocks);
 }
 
@@ -225,8 +229,8 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
   const int64_t K = P == Projection::up ? a.hidden : a.intermediate;
   const void* left = P == Projection::up ? a.x : g.hidden;
   const void* weights = P == Projection::up ? a.up : a.down;
-  const bool tensor_cores = !std::is_same_v<T, float> && !a.transposed && K % 8 == 0 && aligned16(left) &&
-                            aligned16(weights);
+  const bool tensor_cores =
+      !std::is_same_v<T, float> && !a.transposed && K % 8 == 0 && aligned16(left) && aligned16(weights);
   if (tensor_cores) {
     if constexpr (!std::is_same_v<T, float>) {
       GroupedProblem launched = g;
@@ -277,7 +281,9 @@ GroupedLayout grouped_layout(const ExpertsArgs& a) {
 
 }  // namespace
 
-std::size_t grouped_buffers_bytes(const ExpertsArgs& a) { return grouped_layout(a).total; }
+std::size_t grouped_buffers_bytes(const ExpertsArgs& a) {
+  return grouped_layout(a).total;
+}
 
 GroupedProblem grouped_buffers(const ExpertsArgs& a, void* workspace) {
   const GroupedLayout l = grouped_layout(a);

@@ -26,8 +26,12 @@ struct GroupedProblem {
 
 // Blocks run column block fastest: the blocks in flight together share their row tiles (the left
 // operand is read from memory once, not once per column block) and their expert's weights.
-__device__ __forceinline__ int64_t block_row_tile(const GroupedProblem& g) { return blockIdx.x / g.col_blocks; }
-__device__ __forceinline__ int64_t block_col(const GroupedProblem& g) { return blockIdx.x % g.col_blocks; }
+__device__ __forceinline__ int64_t block_row_tile(const GroupedProblem& g) {
+  return blockIdx.x / g.col_blocks;
+}
+__device__ __forceinline__ int64_t block_col(const GroupedProblem& g) {
+  return blockIdx.x % g.col_blocks;
+}
 
 // Which expert and which of its row tiles this block computes; false when the block has no work
 // (the grid is sized for the worst case of the routing).
@@ -45,8 +49,10 @@ __device__ __forceinline__ bool find_tile(const GroupedProblem& g, int64_t& expe
     int64_t lo = 0, hi = g.a.experts - 1;  // last e with tiles[e] <= tile
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
-      if (tiles[mid] <= tile) lo = mid;
-      else hi = mid - 1;
+      if (tiles[mid] <= tile)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     e = lo;
   }
@@ -101,7 +107,7 @@ __device__ __forceinline__ const T* left_row(const GroupedProblem& g, int64_t ro
 // for the up projection, bias into y for the down projection. All threads of the block take part.
 template <typename T, Projection P, int kRows, int kCols>
 __device__ __forceinline__ void store_tile(const GroupedProblem& g, const float* c, int ldc, int64_t expert,
-                                          int64_t row_begin, int64_t row_end, int64_t col_block) {
+                                           int64_t row_begin, int64_t row_end, int64_t col_block) {
   const ExpertsArgs& a = g.a;
   if constexpr (P == Projection::up) {
     const int width = a.has_gate ? kCols / 2 : kCols;

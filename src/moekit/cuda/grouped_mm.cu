@@ -7,7 +7,9 @@
 
 namespace moekit::cuda {
 
-std::size_t grouped_mm_workspace_bytes(const ExpertsArgs& a) { return grouped_buffers_bytes(a); }
+std::size_t grouped_mm_workspace_bytes(const ExpertsArgs& a) {
+  return grouped_buffers_bytes(a);
+}
 
 void grouped_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   GroupedProblem g = grouped_buffers(a, workspace);

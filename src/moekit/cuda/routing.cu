@@ -7,7 +7,9 @@
 namespace moekit::cuda {
 namespace {
 
-std::size_t align256(std::size_t b) { return (b + 255) / 256 * 256; }
+std::size_t align256(std::size_t b) {
+  return (b + 255) / 256 * 256;
+}
 
 int key_bits(int64_t experts) {
   int bits = 1;
@@ -60,10 +62,9 @@ Layout layout(int64_t pairs, int64_t experts) {
   const auto E1 = static_cast<std::size_t>(experts + 1);
   const auto P = static_cast<std::size_t>(std::max<int64_t>(pairs, 1));
   std::size_t temp = 0;
-  MOEKIT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp, static_cast<const uint32_t*>(nullptr),
-                                                    static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
-                                                    static_cast<int32_t*>(nullptr), static_cast<int>(P), 0,
-                                                    key_bits(experts)));
+  MOEKIT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, temp, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(P), 0, key_bits(experts)));
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
     const std::size_t here = at;
@@ -86,7 +87,9 @@ Layout layout(int64_t pairs, int64_t experts) {
 
 }  // namespace
 
-std::size_t routing_workspace_bytes(int64_t pairs, int64_t experts) { return layout(pairs, experts).total; }
+std::size_t routing_workspace_bytes(int64_t pairs, int64_t experts) {
+  return layout(pairs, experts).total;
+}
 
 void route_on_device(const ExpertsArgs& a, int tile_rows, void* workspace, DeviceRouting& r, cudaStream_t stream) {
   const int64_t P = a.tokens * a.top_k, E = a.experts;
@@ -113,8 +116,8 @@ void route_on_device(const ExpertsArgs& a, int tile_rows, void* workspace, Devic
   std::size_t temp = l.total - l.sort_temp;
   // Radix sort is stable: rows of one expert stay in pair order.
   auto* sorted_pairs = reinterpret_cast<int32_t*>(base + l.sorted_pairs);
-  MOEKIT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + l.sort_temp, temp, keys_in, keys_out, pairs_in,
-                                                    sorted_pairs, static_cast<int>(P), 0, key_bits(E), stream));
+  MOEKIT_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + l.sort_temp, temp, keys_in, keys_out, pairs_in, sorted_pairs,
+                                                    static_cast<int>(P), 0, key_bits(E), stream));
   inverse_kernel<<<blocks, 256, 0, stream>>>(P, sorted_pairs, r.offsets, E, r.row_pair, r.pair_row);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }

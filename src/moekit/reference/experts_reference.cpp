@@ -15,15 +15,23 @@ double reference_activation(const ExpertsConfig& c, double gate, double up) {
   }
   double a = 0;
   switch (c.activation) {
-    case Activation::silu: a = gate / (1.0 + std::exp(-gate)); break;
-    case Activation::gelu: a = 0.5 * gate * (1.0 + std::erf(gate / std::sqrt(2.0))); break;
+    case Activation::silu:
+      a = gate / (1.0 + std::exp(-gate));
+      break;
+    case Activation::gelu:
+      a = 0.5 * gate * (1.0 + std::erf(gate / std::sqrt(2.0)));
+      break;
     case Activation::gelu_pytorch_tanh: {
       const double k = std::sqrt(2.0 / M_PI);
       a = 0.5 * gate * (1.0 + std::tanh(k * (gate + 0.044715 * gate * gate * gate)));
       break;
     }
-    case Activation::relu: a = gate > 0 ? gate : 0.0; break;
-    case Activation::relu2: a = gate > 0 ? gate * gate : 0.0; break;
+    case Activation::relu:
+      a = gate > 0 ? gate : 0.0;
+      break;
+    case Activation::relu2:
+      a = gate > 0 ? gate * gate : 0.0;
+      break;
   }
   return c.has_gate ? a * up : a;
 }
