@@ -102,6 +102,19 @@ std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t exp
 
 namespace moekit::cpu {
 
+RowBuffers::RowBuffers(const ExpertsProblem& p, int64_t pad_rows) {
+  const ExpertsShape s = validate(p);
+  max_rows = s.tokens * s.top_k;
+  hidden = s.hidden;
+  intermediate = s.intermediate;
+  up_outputs = p.config.has_gate ? 2 * s.intermediate : s.intermediate;
+  gemm = gemm_dtype_for(p.hidden_states.dtype());
+  const std::size_t g = gemm_dtype_size(gemm);
+  x_bytes = aligned(static_cast<std::size_t>((max_rows + pad_rows) * hidden) * g);
+  hidden_bytes = aligned(static_cast<std::size_t>((max_rows + pad_rows) * intermediate) * g);
+  y_bytes = aligned(static_cast<std::size_t>(max_rows * hidden) * sizeof(float));
+}
+
 void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst) {
   const int64_t H = hidden_states.size(1);
   const auto rows = static_cast<int64_t>(row_token.size());

@@ -63,6 +63,25 @@ std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t exp
 
 namespace moekit::cpu {
 
+// The buffers of the sorted-row pipeline (eager and grouped_mm) carved from one workspace, each
+// 64-byte aligned: gathered rows x [rows + pad, H] and hidden [rows + pad, I] in the gemm dtype,
+// down outputs y [rows, H] in float, and what the backend adds after them (extra_bytes).
+struct RowBuffers {
+  int64_t max_rows = 0, hidden = 0, intermediate = 0, up_outputs = 0;
+  GemmDType gemm = GemmDType::f32;
+  std::size_t x_bytes = 0, hidden_bytes = 0, y_bytes = 0, extra_bytes = 0;
+
+  // pad_rows: rows past the last one that products may read (zeroed by the backend).
+  RowBuffers(const ExpertsProblem& p, int64_t pad_rows);
+  std::size_t total() const { return x_bytes + hidden_bytes + y_bytes + extra_bytes; }
+  static std::size_t aligned(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+  char* x(void* workspace) const { return static_cast<char*>(workspace); }
+  char* hidden_rows(void* workspace) const { return x(workspace) + x_bytes; }
+  float* y(void* workspace) const { return reinterpret_cast<float*>(hidden_rows(workspace) + hidden_bytes); }
+  char* extra(void* workspace) const { return reinterpret_cast<char*>(y(workspace)) + y_bytes; }
+};
+
 // dst [rows, H] in the gemm dtype (see onednn_matmul.h) = hidden_states[row_token[row]], converted.
 // Runs on all threads.
 void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst);

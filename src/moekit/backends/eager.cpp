@@ -13,31 +13,15 @@
 namespace moekit::backends {
 namespace {
 
-struct EagerSizes {
-  int64_t max_rows, N, H, I;
-  cpu::GemmDType gemm;
-  bool convert_weights;
-  std::size_t x_bytes, projected_bytes, hidden_bytes, y_bytes, weights_bytes;
-  std::size_t total() const { return x_bytes + projected_bytes + hidden_bytes + y_bytes + weights_bytes; }
-};
-
-EagerSizes eager_sizes(const ExpertsProblem& p) {
-  const ExpertsShape s = validate(p);
-  EagerSizes z;
-  z.max_rows = s.tokens * s.top_k;
-  z.H = s.hidden;
-  z.I = s.intermediate;
-  z.N = p.config.has_gate ? 2 * s.intermediate : s.intermediate;
-  z.gemm = cpu::gemm_dtype_for(p.hidden_states.dtype());
-  z.convert_weights = p.hidden_states.dtype() == DType::f16;
-  const std::size_t g = cpu::gemm_dtype_size(z.gemm);
-  auto round = [](std::size_t b) { return (b + 63) / 64 * 64; };
-  z.x_bytes = round(static_cast<std::size_t>(z.max_rows * z.H) * g);
-  z.projected_bytes = round(static_cast<std::size_t>(z.max_rows * z.N) * sizeof(float));
-  z.hidden_bytes = round(static_cast<std::size_t>(z.max_rows * z.I) * g);
-  z.y_bytes = round(static_cast<std::size_t>(z.max_rows * z.H) * sizeof(float));
-  z.weights_bytes = z.convert_weights ? round(static_cast<std::size_t>(z.N * z.H + z.H * z.I) * sizeof(float)) : 0;
-  return z;
+// After the shared row buffers: the first projection's float outputs [rows, N], then (f16 only) the
+// hit expert's weights converted to f32.
+cpu::RowBuffers eager_buffers(const ExpertsProblem& p) {
+  cpu::RowBuffers b(p, 0);
+  b.extra_bytes = cpu::RowBuffers::aligned(static_cast<std::size_t>(b.max_rows * b.up_outputs) * sizeof(float));
+  if (p.hidden_states.dtype() == DType::f16)
+    b.extra_bytes += cpu::RowBuffers::aligned(
+        static_cast<std::size_t>(b.up_outputs * b.hidden + b.hidden * b.intermediate) * sizeof(float));
+  return b;
 }
 
 class Eager final : public PortableBackend {
@@ -49,22 +33,25 @@ class Eager final : public PortableBackend {
   }
 
  protected:
-  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override { return eager_sizes(p).total(); }
+  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override { return eager_buffers(p).total(); }
 
   void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);
-    const EagerSizes z = eager_sizes(p);
+    const cpu::RowBuffers b = eager_buffers(p);
     const cpu::ExpertRouting routing = cpu::route_by_expert(p.top_k_index, layout.experts);
-    char* ws = static_cast<char*>(workspace);
-    void* x = ws;
-    auto* projected = reinterpret_cast<float*>(ws + z.x_bytes);
-    char* hidden = ws + z.x_bytes + z.projected_bytes;
-    auto* y = reinterpret_cast<float*>(hidden + z.hidden_bytes);
-    void* converted = hidden + z.hidden_bytes + z.y_bytes;
-    const std::size_t g = cpu::gemm_dtype_size(z.gemm);
+    const int64_t N = b.up_outputs, H = b.hidden, I = b.intermediate;
+    const cpu::GemmDType gemm = b.gemm;
+    const bool convert_weights = p.hidden_states.dtype() == DType::f16;
+    char* x = b.x(workspace);
+    char* hidden = b.hidden_rows(workspace);
+    float* y = b.y(workspace);
+    auto* projected = reinterpret_cast<float*>(b.extra(workspace));
+    void* converted =
+        b.extra(workspace) + cpu::RowBuffers::aligned(static_cast<std::size_t>(b.max_rows * N) * sizeof(float));
+    const std::size_t g = cpu::gemm_dtype_size(gemm);
 
-    cpu::gather_rows(p.hidden_states, routing.row_token, z.gemm, x);
-    std::vector<int64_t> all_up(static_cast<std::size_t>(z.N)), all_down(static_cast<std::size_t>(z.H));
+    cpu::gather_rows(p.hidden_states, routing.row_token, gemm, x);
+    std::vector<int64_t> all_up(static_cast<std::size_t>(N)), all_down(static_cast<std::size_t>(H));
     std::iota(all_up.begin(), all_up.end(), 0);
     std::iota(all_down.begin(), all_down.end(), 0);
     const DType w_dtype = p.gate_up_proj.dtype();
@@ -73,36 +60,36 @@ class Eager final : public PortableBackend {
       const int64_t first = routing.offsets[e], rows = routing.rows_of(e);
       if (rows == 0) continue;
       cpu::MatrixView up = layout.up_matrix(e), down = layout.down_matrix(e);
-      if (z.convert_weights) {  // f16: to f32 rows [N, H] and [H, I]
+      if (convert_weights) {  // f16: to f32 rows [N, H] and [H, I]
         auto* up_rows = static_cast<float*>(converted);
-        float* down_rows = up_rows + z.N * z.H;
-        cpu::gather_weight_rows(up, w_dtype, all_up, z.H, z.gemm, up_rows);
-        cpu::gather_weight_rows(down, w_dtype, all_down, z.I, z.gemm, down_rows);
-        up = {reinterpret_cast<const char*>(up_rows), z.H, 1, sizeof(float)};
-        down = {reinterpret_cast<const char*>(down_rows), z.I, 1, sizeof(float)};
+        float* down_rows = up_rows + N * H;
+        cpu::gather_weight_rows(up, w_dtype, all_up, H, gemm, up_rows);
+        cpu::gather_weight_rows(down, w_dtype, all_down, I, gemm, down_rows);
+        up = {reinterpret_cast<const char*>(up_rows), H, 1, sizeof(float)};
+        down = {reinterpret_cast<const char*>(down_rows), I, 1, sizeof(float)};
       }
-      float* proj = projected + first * z.N;
-      cpu::matmul_strided(static_cast<const char*>(x) + static_cast<std::size_t>(first * z.H) * g, z.H, rows, up.base,
-                          z.H, z.N, up.stride_in, up.stride_out, z.gemm, proj, z.N);
-      char* hid = hidden + static_cast<std::size_t>(first * z.I) * g;
+      float* proj = projected + first * N;
+      cpu::matmul_strided(static_cast<const char*>(x) + static_cast<std::size_t>(first * H) * g, H, rows, up.base, H, N,
+                          up.stride_in, up.stride_out, gemm, proj, N);
+      char* hid = hidden + static_cast<std::size_t>(first * I) * g;
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
-        float* g_row = proj + r * z.N;
-        cpu::add_bias(layout.gate_up_bias, e, 0, z.N, g_row);
+        float* g_row = proj + r * N;
+        cpu::add_bias(layout.gate_up_bias, e, 0, N, g_row);
         const int64_t stride = layout.is_concatenated ? 1 : 2;
-        if (z.gemm == cpu::GemmDType::bf16)
-          cpu::apply_activation(p.config, g_row + layout.gate_column(0), stride, g_row + layout.up_column(0), stride,
-                                z.I, reinterpret_cast<bf16*>(hid) + r * z.I);
+        if (gemm == cpu::GemmDType::bf16)
+          cpu::apply_activation(p.config, g_row + layout.gate_column(0), stride, g_row + layout.up_column(0), stride, I,
+                                reinterpret_cast<bf16*>(hid) + r * I);
         else
-          cpu::apply_activation(p.config, g_row + layout.gate_column(0), stride, g_row + layout.up_column(0), stride,
-                                z.I, reinterpret_cast<float*>(hid) + r * z.I);
+          cpu::apply_activation(p.config, g_row + layout.gate_column(0), stride, g_row + layout.up_column(0), stride, I,
+                                reinterpret_cast<float*>(hid) + r * I);
       }
-      float* y_rows = y + first * z.H;
-      cpu::matmul_strided(hid, z.I, rows, down.base, z.I, z.H, down.stride_in, down.stride_out, z.gemm, y_rows, z.H);
+      float* y_rows = y + first * H;
+      cpu::matmul_strided(hid, I, rows, down.base, I, H, down.stride_in, down.stride_out, gemm, y_rows, H);
       if (layout.has_bias)
-        for (int64_t r = 0; r < rows; ++r) cpu::add_bias(layout.down_bias, e, 0, z.H, y_rows + r * z.H);
+        for (int64_t r = 0; r < rows; ++r) cpu::add_bias(layout.down_bias, e, 0, H, y_rows + r * H);
     }
-    cpu::combine_weighted(p, routing.pair_row, y, z.H, 0, routing.tokens, 0, out);
+    cpu::combine_weighted(p, routing.pair_row, y, H, 0, routing.tokens, 0, out);
   }
 };
 

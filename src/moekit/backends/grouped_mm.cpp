@@ -71,28 +71,6 @@ std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t 
   return packed;
 }
 
-struct GroupedSizes {
-  int64_t max_rows, H, I;
-  cpu::GemmDType gemm;
-  std::size_t x_bytes, hidden_bytes, y_bytes;
-};
-
-GroupedSizes grouped_sizes(const ExpertsProblem& p) {
-  const ExpertsShape s = validate(p);
-  GroupedSizes z;
-  z.max_rows = s.tokens * s.top_k;
-  z.H = s.hidden;
-  z.I = s.intermediate;
-  z.gemm = cpu::gemm_dtype_for(p.hidden_states.dtype());
-  const std::size_t g = cpu::gemm_dtype_size(z.gemm);
-  auto round = [](std::size_t b) { return (b + 63) / 64 * 64; };
-  // Activations and hidden rows carry kRowRound pad rows for the rounded-up products.
-  z.x_bytes = round(static_cast<std::size_t>((z.max_rows + kRowRound) * z.H) * g);
-  z.hidden_bytes = round(static_cast<std::size_t>((z.max_rows + kRowRound) * z.I) * g);
-  z.y_bytes = round(static_cast<std::size_t>(z.max_rows * z.H) * sizeof(float));
-  return z;
-}
-
 class GroupedMm final : public PortableBackend {
  public:
   GroupedMm() : PortableBackend(MOEKIT_CUDA_KERNELS(grouped_mm)) {}
@@ -103,23 +81,23 @@ class GroupedMm final : public PortableBackend {
 
  protected:
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
-    const GroupedSizes z = grouped_sizes(p);
-    return z.x_bytes + z.hidden_bytes + z.y_bytes;
+    // Activations and hidden rows carry kRowRound pad rows for the rounded-up products.
+    return cpu::RowBuffers(p, kRowRound).total();
   }
 
   void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);
-    const GroupedSizes z = grouped_sizes(p);
+    const cpu::RowBuffers z(p, kRowRound);
     const cpu::ExpertRouting routing = cpu::route_by_expert(p.top_k_index, layout.experts);
-    const int64_t E = layout.experts, H = z.H, I = z.I;
+    const int64_t E = layout.experts, H = z.hidden, I = z.intermediate;
     const std::size_t g = cpu::gemm_dtype_size(z.gemm);
     const int64_t up_chunks = (I + kUpChunk - 1) / kUpChunk, down_chunks = (H + kDownChunk - 1) / kDownChunk;
     const auto up = packed_up(layout, p.gate_up_proj.dtype(), z.gemm, up_chunks);
     const auto down = packed_down(layout, p.down_proj.dtype(), z.gemm, down_chunks);
 
-    char* x = static_cast<char*>(workspace);
-    char* hidden = x + z.x_bytes;
-    auto* y = reinterpret_cast<float*>(hidden + z.hidden_bytes);
+    char* x = z.x(workspace);
+    char* hidden = z.hidden_rows(workspace);
+    float* y = z.y(workspace);
     const int64_t rows = routing.rows();
     cpu::gather_rows(p.hidden_states, routing.row_token, z.gemm, x);
     std::fill(x + static_cast<std::size_t>(rows * H) * g, x + static_cast<std::size_t>((rows + kRowRound) * H) * g, 0);
