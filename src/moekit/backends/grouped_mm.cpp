@@ -117,6 +117,7 @@ class GroupedMm final : public PortableBackend {
 #pragma omp parallel
     {
       std::vector<float> scratch(static_cast<std::size_t>(rows_to_run(kRowBlock) * std::max(2 * kUpChunk, kDownChunk)));
+      std::vector<float> chunk_bias;
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_blocks * up_chunks; ++task) {
         const Block& b = blocks[static_cast<std::size_t>(task / up_chunks)];
@@ -124,16 +125,20 @@ class GroupedMm final : public PortableBackend {
         const cpu::PackedWeights& w = up->at(b.e, c);
         const int64_t cols = w.n();  // 2 * width with a gate, width without
         w.multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(), cols);
+        if (layout.has_bias) {  // the chunk's bias columns, in the packed order, once per task
+          chunk_bias.assign(static_cast<std::size_t>(cols), 0.0f);
+          for (int64_t j = 0; j < width; ++j) {
+            cpu::add_bias(layout.gate_up_bias, b.e, layout.has_gate ? layout.gate_column(j0 + j) : j0 + j, 1,
+                          &chunk_bias[static_cast<std::size_t>(j)]);
+            if (layout.has_gate)
+              cpu::add_bias(layout.gate_up_bias, b.e, layout.up_column(j0 + j), 1,
+                            &chunk_bias[static_cast<std::size_t>(width + j)]);
+          }
+        }
         for (int64_t r = 0; r < b.rows; ++r) {
           float* row = scratch.data() + r * cols;
-          if (layout.has_bias) {
-            for (int64_t j = 0; j < width; ++j) {
-              cpu::add_bias(layout.gate_up_bias, b.e, layout.has_gate ? layout.gate_column(j0 + j) : j0 + j, 1,
-                            row + j);
-              if (layout.has_gate)
-                cpu::add_bias(layout.gate_up_bias, b.e, layout.up_column(j0 + j), 1, row + width + j);
-            }
-          }
+          if (layout.has_bias)
+            for (int64_t q = 0; q < cols; ++q) row[q] += chunk_bias[static_cast<std::size_t>(q)];
           char* dst = hidden + static_cast<std::size_t>((b.first + r) * I + j0) * g;
           if (z.gemm == cpu::GemmDType::bf16)
             cpu::apply_activation(p.config, row, 1, row + width, 1, width, reinterpret_cast<bf16*>(dst));
