@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -22,6 +23,18 @@
 #include "moekit/tensor.h"
 
 namespace moekit::test {
+
+// A fresh directory per test (under group), so tests running in parallel never share files.
+inline std::filesystem::path temp_dir(const std::string& group) {
+  const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  std::string name = std::string(test->test_suite_name()) + "_" + test->name();
+  for (char& c : name)
+    if (c == '/') c = '_';
+  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / group / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 // Passes when fn throws moekit::Error and its message contains every part; the failure message shows
 // what was thrown instead, so a wrong message is diagnosable from the log alone.

@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 
+#include "harness.h"
 #include "moekit/random_problem.h"
 #include "moekit/reference.h"
 #include "moekit/safetensors.h"
@@ -20,16 +21,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory per test, so tests running in parallel never share files.
 fs::path temp_dir() {
-  const auto* test = testing::UnitTest::GetInstance()->current_test_info();
-  std::string name = std::string(test->test_suite_name()) + "_" + test->name();
-  for (char& c : name)
-    if (c == '/') c = '_';
-  const fs::path dir = fs::path(testing::TempDir()) / "moekit_safetensors" / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
+  return test::temp_dir("moekit_safetensors");
 }
 
 std::vector<uint8_t> read_bytes(const fs::path& path) {

@@ -1,0 +1,84 @@
+// A Hugging Face checkpoint directory: config.json and its safetensors (one file, or shards listed by
+// model.safetensors.index.json), memory-mapped and checked once when opened. Tensors come out as
+// read-only views of the mapped bytes unless a dtype conversion or an expert fusion has to copy them.
+//
+// Every error is a moekit::Error naming the file, the key or the tensor, and what was expected.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moekit/safetensors.h"
+#include "moekit/tensor.h"
+
+namespace moekit {
+
+// One MoE layer's expert weights in the layout the experts backends take (ExpertsConfig defaults:
+// gated, concatenated, not transposed): gate_up_proj [E, 2I, H] holds the gate rows [0, I) then the
+// up rows [I, 2I); down_proj [E, H, I]. The biases are undefined tensors unless the checkpoint has them.
+struct FusedExperts {
+  Tensor gate_up_proj;
+  Tensor down_proj;
+  Tensor gate_up_proj_bias;  // [E, 2I]
+  Tensor down_proj_bias;     // [E, H]
+  bool has_gate = true;
+};
+
+class Checkpoint {
+ public:
+  // Reads dir/config.json and opens dir/model.safetensors or, if there is none, the shards named by
+  // dir/model.safetensors.index.json (the single file wins when both exist, as in transformers).
+  // The index must be consistent: every tensor of its weight map listed once and held by its shard,
+  // no tensor held by two shards, shard names relative and inside dir. Tensors a shard holds that the
+  // weight map does not list are not visible.
+  explicit Checkpoint(const std::string& dir);
+
+  const std::string& directory() const { return dir_; }
+
+  const nlohmann::json& config() const { return config_; }
+  // The object config[name] ("text_config", "vision_config"); throws listing sub_config_names().
+  const nlohmann::json& sub_config(std::string_view name) const;
+  // Keys of config whose value is an object that holds "model_type" or whose key ends in "_config".
+  std::vector<std::string> sub_config_names() const;  // sorted
+
+  bool contains(const std::string& name) const { return shard_of_.count(name) != 0; }
+  std::vector<std::string> tensor_names() const;  // sorted
+  // The mapped view (read-only bytes). A missing name throws suggesting up to 3 close names.
+  Tensor tensor(const std::string& name) const;
+  // Also checks the shape: "<name> has shape [..], expected [..]".
+  Tensor tensor(const std::string& name, const Shape& expected) const;
+  // A contiguous CPU tensor in dtype (f32, f16 or bf16): the mapped view itself when the file already
+  // holds that dtype, a converted copy otherwise. An empty `expected` skips the shape check (so a
+  // scalar's shape cannot be checked here).
+  Tensor load(const std::string& name, DType dtype, const Shape& expected = {}) const;
+
+  // The experts of one MoE layer under prefix ("model.layers.3.mlp.experts"), in dtype, recognising:
+  //   fused:     {prefix}.gate_up_proj [E, 2I, H], {prefix}.down_proj [E, H, I], optional
+  //              {prefix}.gate_up_proj_bias [E, 2I], {prefix}.down_proj_bias [E, H]; no copy if the
+  //              dtype matches;
+  //   per expert {prefix}.{i}.gate_proj.weight [I, H], .up_proj.weight [I, H], .down_proj.weight [H, I]
+  //              (Qwen, OLMoE, DeepSeek);
+  //   per expert {prefix}.{i}.w1.weight (gate) [I, H], .w3.weight (up) [I, H], .w2.weight (down) [H, I]
+  //              (Mixtral).
+  // Per-expert weights are copied into new fused tensors (in parallel over experts, with a progress
+  // line on stderr for copies over 256 MB). A missing or misshapen tensor, an expert index >= E, or
+  // tensors of two layouts under one prefix throw naming the tensor.
+  FusedExperts experts(const std::string& prefix, int64_t num_experts, int64_t hidden, int64_t intermediate,
+                       DType dtype) const;
+
+ private:
+  [[noreturn]] void fail_missing(const std::string& name) const;
+  const SafetensorsFile& shard(const std::string& name) const;
+
+  std::string dir_;
+  nlohmann::json config_;
+  std::vector<SafetensorsFile> shards_;
+  std::map<std::string, std::size_t> shard_of_;  // tensor name -> index into shards_
+};
+
+}  // namespace moekit
