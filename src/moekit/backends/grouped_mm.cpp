@@ -11,6 +11,7 @@
 #include "moekit/backends/cpu_expert_rows.h"
 #include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
+#include "moekit/cpu/gemv.h"
 
 namespace moekit::backends {
 namespace {
@@ -26,6 +27,29 @@ constexpr int64_t kRowBlock = 512;
 // only a few product shapes are ever compiled; small counts (decode) run exactly.
 constexpr int64_t kExactRows = 8;
 constexpr int64_t kRowRound = 16;
+
+// Blocks of at most this many rows (decode) skip the packed product: one matrix-vector product per
+// row over the weights where they lie reads them as a single sequential stream, which oneDNN's
+// one-row product over the packed layout does not match (~25 vs ~32 GB/s here).
+constexpr int64_t kGemvRows = 2;
+
+// out[q] = w row (first + q * step) . v for q < count; w not transposed (rows contiguous).
+void gemv_weight_rows(const cpu::MatrixView& w, DType w_dtype, int64_t first, int64_t step, int64_t count,
+                      const float* v, int64_t k_len, float* out) {
+  visit_float_dtype(w_dtype, [&](auto tag) {
+    using W = typename decltype(tag)::type;
+    cpu::gemv_rows(static_cast<const W*>(w.row(first)), w.stride_out * step, v, out, count, k_len);
+  });
+}
+
+// A row of the gemm dtype as floats (converted into tmp when it is bf16).
+const float* row_as_floats(const char* row, int64_t n, cpu::GemmDType dtype, std::vector<float>& tmp) {
+  if (dtype == cpu::GemmDType::f32) return reinterpret_cast<const float*>(row);
+  tmp.resize(static_cast<std::size_t>(n));
+  const bf16* b = reinterpret_cast<const bf16*>(row);
+  for (int64_t i = 0; i < n; ++i) tmp[static_cast<std::size_t>(i)] = to_float(b[i]);
+  return tmp.data();
+}
 
 int64_t rows_to_run(int64_t rows) {
   return rows <= kExactRows ? rows : (rows + kRowRound - 1) / kRowRound * kRowRound;
@@ -94,6 +118,7 @@ class GroupedMm final : public PortableBackend {
     const int64_t up_chunks = (I + kUpChunk - 1) / kUpChunk, down_chunks = (H + kDownChunk - 1) / kDownChunk;
     const auto up = packed_up(layout, p.gate_up_proj.dtype(), z.gemm, up_chunks);
     const auto down = packed_down(layout, p.down_proj.dtype(), z.gemm, down_chunks);
+    const DType w_dtype = p.gate_up_proj.dtype();
 
     char* x = z.x(workspace);
     char* hidden = z.hidden_rows(workspace);
@@ -117,14 +142,25 @@ class GroupedMm final : public PortableBackend {
 #pragma omp parallel
     {
       std::vector<float> scratch(static_cast<std::size_t>(rows_to_run(kRowBlock) * std::max(2 * kUpChunk, kDownChunk)));
-      std::vector<float> chunk_bias;
+      std::vector<float> chunk_bias, row_f32;
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_blocks * up_chunks; ++task) {
         const Block& b = blocks[static_cast<std::size_t>(task / up_chunks)];
         const int64_t c = task % up_chunks, j0 = c * kUpChunk, width = std::min(kUpChunk, I - j0);
         const cpu::PackedWeights& w = up->at(b.e, c);
         const int64_t cols = w.n();  // 2 * width with a gate, width without
-        w.multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(), cols);
+        if (b.rows <= kGemvRows && !layout.is_transposed) {
+          const cpu::MatrixView m = layout.up_matrix(b.e);
+          const int64_t step = layout.is_concatenated ? 1 : 2;
+          for (int64_t r = 0; r < b.rows; ++r) {
+            const float* v = row_as_floats(x + static_cast<std::size_t>((b.first + r) * H) * g, H, z.gemm, row_f32);
+            float* out_row = scratch.data() + r * cols;
+            gemv_weight_rows(m, w_dtype, layout.has_gate ? layout.gate_column(j0) : j0, step, width, v, H, out_row);
+            if (layout.has_gate) gemv_weight_rows(m, w_dtype, layout.up_column(j0), step, width, v, H, out_row + width);
+          }
+        } else {
+          w.multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(), cols);
+        }
         if (layout.has_bias) {  // the chunk's bias columns, in the packed order, once per task
           chunk_bias.assign(static_cast<std::size_t>(cols), 0.0f);
           for (int64_t j = 0; j < width; ++j) {
@@ -153,7 +189,15 @@ class GroupedMm final : public PortableBackend {
         const int64_t h0 = task % down_chunks * kDownChunk;
         const cpu::PackedWeights& w = down->at(b.e, task % down_chunks);
         const int64_t cols = w.n();
-        w.multiply(hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), scratch.data(), cols);
+        if (b.rows <= kGemvRows && !layout.is_transposed) {
+          for (int64_t r = 0; r < b.rows; ++r) {
+            const float* v =
+                row_as_floats(hidden + static_cast<std::size_t>((b.first + r) * I) * g, I, z.gemm, row_f32);
+            gemv_weight_rows(layout.down_matrix(b.e), w_dtype, h0, 1, cols, v, I, scratch.data() + r * cols);
+          }
+        } else {
+          w.multiply(hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), scratch.data(), cols);
+        }
         for (int64_t r = 0; r < b.rows; ++r) {
           float* dst = y + (b.first + r) * H + h0;
           std::copy(scratch.data() + r * cols, scratch.data() + (r + 1) * cols, dst);
