@@ -597,6 +597,41 @@ TEST_F(CliExpertsInput, MissingFileIsNamed) {
   EXPECT_NE(r.output.find("nope.safetensors: cannot open"), std::string::npos) << r.output;
 }
 
+// transformers' own experts modules (Qwen3MoeExperts; GptOssExperts: transposed, interleaved, biased,
+// clamped SwiGLU) on fixed inputs, computed by scripts/make_experts_fixtures.py with transformers 5.17
+// on the CPU: every CPU backend, through `moekit experts`, must give transformers' output within the
+// dtype's tolerance. This checks the contract against the system it mirrors, not only against our
+// own reading of it in the float64 reference.
+class TransformersFixture : public testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(TransformersFixture, CliOutputMatchesTransformers) {
+  const auto& [fixture, backend] = GetParam();
+  const fs::path dir = temp_dir();
+  const fs::path base = fs::path(MOEKIT_FIXTURES_DIR) / "experts" / fixture;
+  const CliResult r = run_cli("experts --input '" + base.string() + ".input.safetensors' --backend " + backend +
+                                  " --output '" + (dir / "out.safetensors").string() + "'",
+                              dir);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Tensor out = SafetensorsFile((dir / "out.safetensors").string()).tensor("out");
+  const Tensor expected = SafetensorsFile(base.string() + ".expected.safetensors").tensor("out");
+  ASSERT_EQ(out.shape(), expected.shape());
+  ASSERT_EQ(out.dtype(), expected.dtype());
+  const std::vector<float> want = test::values_of(expected);
+  const test::Comparison c = test::compare_with_reference(out, std::vector<double>(want.begin(), want.end()),
+                                                          test::tolerance_for(expected.dtype()));
+  EXPECT_TRUE(c.passed()) << fixture << " with " << backend << ": " << c.summary();
+}
+
+std::string fixture_test_name(const testing::TestParamInfo<std::tuple<std::string, std::string>>& param) {
+  return std::get<0>(param.param) + "_" + std::get<1>(param.param);
+}
+
+INSTANTIATE_TEST_SUITE_P(CpuBackends, TransformersFixture,
+                         testing::Combine(testing::Values("qwen3_moe_f32", "qwen3_moe_bf16", "gpt_oss_f32",
+                                                          "gpt_oss_bf16"),
+                                          testing::ValuesIn(kCpuBackends)),
+                         fixture_test_name);
+
 #endif  // MOEKIT_CLI_PATH
 
 }  // namespace
