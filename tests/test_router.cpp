@@ -15,6 +15,7 @@
 
 #include "harness.h"
 #include "moekit/model/router.h"
+#include "moekit/safetensors.h"
 
 namespace moekit {
 namespace {
@@ -485,6 +486,63 @@ TEST(RouterValidation, Groups) {
   softmax.topk_group = 7;
   EXPECT_NO_THROW(route(logits, softmax));
 }
+
+// transformers' own routers (Qwen3MoeTopKRouter with and without renormalisation, GptOssTopKRouter,
+// DeepseekV3TopkRouter with negative correction biases) on the same logits, from
+// scripts/make_router_fixtures.py (transformers 5.17, float32, CPU). The same experts must be chosen
+// with the same weights; DeepSeek's transformers topk is unsorted, so each token's slots are compared
+// as (expert, weight) sets there.
+class RouterTransformersFixture : public testing::TestWithParam<std::string> {};
+
+TEST_P(RouterTransformersFixture, ChoosesTheExpertsAndWeightsTransformersChooses) {
+  const SafetensorsFile file(std::string(MOEKIT_FIXTURES_DIR) + "/routers/" + GetParam() + ".safetensors");
+  const auto& meta = file.metadata();
+  const std::string kind = meta.at("kind");
+  RouterConfig config;
+  config.kind = kind == "softmax_topk"   ? RouterKind::softmax_topk
+                : kind == "topk_softmax" ? RouterKind::topk_softmax
+                                         : RouterKind::deepseek_v3;
+  const Tensor logits = file.tensor("logits").clone();
+  config.num_experts = logits.size(1);
+  config.top_k = std::stoll(meta.at("top_k"));
+  config.norm_topk_prob = meta.at("norm_topk_prob") == "true";
+  Tensor bias;
+  if (config.kind == RouterKind::deepseek_v3) {
+    config.n_group = std::stoll(meta.at("n_group"));
+    config.topk_group = std::stoll(meta.at("topk_group"));
+    config.routed_scaling_factor = std::stof(meta.at("routed_scaling_factor"));
+    bias = file.tensor("correction_bias").clone();
+  }
+  const RouterOutput got = route(logits, config, bias);
+  const Tensor want_ids = file.tensor("indices").clone(), want_w = file.tensor("weights").clone();
+  const int64_t T = logits.size(0), K = config.top_k;
+  ASSERT_EQ(got.top_k_index.shape(), want_ids.shape());
+  const int64_t* gi = got.top_k_index.data_as<int64_t>();
+  const float* gw = got.top_k_weights.data_as<float>();
+  const int64_t* wi = want_ids.data_as<int64_t>();
+  const float* ww = want_w.data_as<float>();
+  const bool as_sets = config.kind == RouterKind::deepseek_v3;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<std::pair<int64_t, float>> a, b;
+    for (int64_t k = 0; k < K; ++k) {
+      a.emplace_back(gi[t * K + k], gw[t * K + k]);
+      b.emplace_back(wi[t * K + k], ww[t * K + k]);
+    }
+    if (as_sets) {
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const auto uk = static_cast<std::size_t>(k);
+      EXPECT_EQ(a[uk].first, b[uk].first) << GetParam() << ": token " << t << " slot " << k;
+      EXPECT_NEAR(a[uk].second, b[uk].second, 1e-6f * std::max(1.0f, std::fabs(b[uk].second)))
+          << GetParam() << ": token " << t << " slot " << k;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transformers, RouterTransformersFixture,
+                         testing::Values("qwen3_moe_norm", "qwen3_moe_plain", "gpt_oss", "deepseek_v3"));
 
 }  // namespace
 }  // namespace moekit
