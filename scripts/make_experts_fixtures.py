@@ -32,6 +32,19 @@ def save(name, tensors, metadata, expected):
     print(name, {k: tuple(v.shape) for k, v in tensors.items()}, "->", tuple(expected.shape))
 
 
+def run_and_save(name, experts, dtype, shape, generator, weight_names, metadata):
+    """Runs transformers' experts module on fresh inputs and routing, and saves inputs, weights and output."""
+    H, E, K, T = shape
+    experts = experts.to(dtype)
+    x = torch.randn(T, H, generator=generator).to(dtype)
+    index, weights = routing(T, E, K, generator)
+    with torch.no_grad():
+        out = experts(x, index, weights.to(dtype))
+    tensors = {"hidden_states": x, "top_k_index": index, "top_k_weights": weights.to(dtype)}
+    tensors.update({n: getattr(experts, n).data for n in weight_names})
+    save(name, tensors, metadata, out)
+
+
 def qwen3_experts(name, dtype, seed):
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -44,14 +57,7 @@ def qwen3_experts(name, dtype, seed):
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5)
         experts.down_proj.copy_(torch.randn(E, H, I, generator=g) / I ** 0.5)
-    experts = experts.to(dtype)
-    x = torch.randn(T, H, generator=g).to(dtype)
-    index, weights = routing(T, E, K, g)
-    with torch.no_grad():
-        out = experts(x, index, weights.to(dtype))
-    save(name, {"hidden_states": x, "top_k_index": index, "top_k_weights": weights.to(dtype),
-                "gate_up_proj": experts.gate_up_proj.data, "down_proj": experts.down_proj.data},
-         {"activation": "silu"}, out)
+    run_and_save(name, experts, dtype, (H, E, K, T), g, ["gate_up_proj", "down_proj"], {"activation": "silu"})
 
 
 def gpt_oss_experts(name, dtype, seed):
@@ -68,16 +74,10 @@ def gpt_oss_experts(name, dtype, seed):
         experts.gate_up_proj_bias.copy_(torch.randn(E, 2 * I, generator=g))
         experts.down_proj.copy_(torch.randn(E, I, H, generator=g) / I ** 0.5)
         experts.down_proj_bias.copy_(torch.randn(E, H, generator=g))
-    experts = experts.to(dtype)
-    x = torch.randn(T, H, generator=g).to(dtype)
-    index, weights = routing(T, E, K, g)
-    with torch.no_grad():
-        out = experts(x, index, weights.to(dtype))
-    save(name, {"hidden_states": x, "top_k_index": index, "top_k_weights": weights.to(dtype),
-                "gate_up_proj": experts.gate_up_proj.data, "gate_up_proj_bias": experts.gate_up_proj_bias.data,
-                "down_proj": experts.down_proj.data, "down_proj_bias": experts.down_proj_bias.data},
-         {"activation": "silu", "is_transposed": "true", "is_concatenated": "false", "has_bias": "true",
-          "swiglu_limit": "7.0", "swiglu_alpha": "1.702"}, out)
+    run_and_save(name, experts, dtype, (H, E, K, T), g,
+                 ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"],
+                 {"activation": "silu", "is_transposed": "true", "is_concatenated": "false", "has_bias": "true",
+                  "swiglu_limit": "7.0", "swiglu_alpha": "1.702"})
 
 
 if __name__ == "__main__":
