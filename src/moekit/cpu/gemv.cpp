@@ -54,12 +54,6 @@ void gemv_cols(const W* w, int64_t ldw, const float* x, float* y, int64_t n_cols
     portable_gemv_cols(w, ldw, x, y, n_cols, k_len);
 }
 
-#define MOEKIT_INSTANTIATE_GEMV(W)                                                       \
-  template void gemv_rows<W>(const W*, int64_t, const float*, float*, int64_t, int64_t); \
-  template void gemv_cols<W>(const W*, int64_t, const float*, float*, int64_t, int64_t);
-MOEKIT_INSTANTIATE_GEMV(float)
-MOEKIT_INSTANTIATE_GEMV(f16)
-MOEKIT_INSTANTIATE_GEMV(bf16)
-#undef MOEKIT_INSTANTIATE_GEMV
+MOEKIT_INSTANTIATE_GEMV_KERNELS
 
 }  // namespace moekit::cpu
