@@ -1,0 +1,163 @@
+#include "moekit/model/moe_block.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "moekit/dtype.h"
+#include "moekit/error.h"
+
+namespace moekit {
+namespace {
+
+Tensor contiguous_f32(const Tensor& t) {
+  const Tensor c = t.is_contiguous() ? t : t.contiguous();
+  return c.dtype() == DType::f32 ? c : c.to(DType::f32);
+}
+
+// out[t, n] = sum_h x[t, h] * w[n, h] (+ b[n]): float32 inputs, double accumulation, float32 result.
+Tensor project(const Tensor& x, const Tensor& w, const Tensor& b) {
+  const int64_t T = x.size(0), H = x.size(1), N = w.size(0);
+  Tensor out = Tensor::empty({T, N}, DType::f32);
+  const float* xs = x.data_as<float>();
+  const float* ws = w.data_as<float>();
+  const float* bs = b.defined() ? b.data_as<float>() : nullptr;
+  float* os = out.data_as<float>();
+  const int threads = static_cast<int>(std::clamp<int64_t>(T, 1, omp_get_max_threads()));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = xs + t * H;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* wr = ws + n * H;
+      double acc = 0;
+      for (int64_t h = 0; h < H; ++h) acc += static_cast<double>(row[h]) * static_cast<double>(wr[h]);
+      if (bs != nullptr) acc += static_cast<double>(bs[n]);
+      os[t * N + n] = static_cast<float>(acc);
+    }
+  }
+  return out;
+}
+
+// v rounded to the storage type of dtype and widened back.
+float round_to(float v, DType dtype) {
+  return visit_float_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return to_float(from_float<T>(v));
+  });
+}
+
+void check_shape(const Tensor& t, const char* name, const Shape& expected) {
+  MOEKIT_CHECK(t.shape() == expected, "moe_block_forward: ", name, " has shape ", shape_string(t.shape()),
+               ", expected ", shape_string(expected));
+  MOEKIT_CHECK(t.device().is_cpu(), "moe_block_forward: ", name, " is on ", device_name(t.device()),
+               ", expected the CPU");
+  MOEKIT_CHECK(is_floating(t.dtype()), "moe_block_forward: ", name, " holds ", dtype_name(t.dtype()),
+               ", expected f32, f16 or bf16");
+}
+
+// The shared expert as an experts problem of one expert that every token picks: gate_up_proj
+// [1, 2Is, H] (gate rows then up rows), down_proj [1, H, Is], weight sigmoid(x . gate) or 1.
+Tensor shared_expert_forward(const Tensor& hidden, const Tensor& hidden_f32, const MoeBlockWeights& w,
+                             const ExpertsConfig& experts_config, std::string_view backend) {
+  const int64_t T = hidden.size(0), H = hidden.size(1), Is = w.shared_gate_proj.size(0);
+  check_shape(w.shared_gate_proj, "shared_gate_proj", {Is, H});
+  check_shape(w.shared_up_proj, "shared_up_proj", {Is, H});
+  check_shape(w.shared_down_proj, "shared_down_proj", {H, Is});
+  MOEKIT_CHECK(w.shared_up_proj.dtype() == w.shared_gate_proj.dtype(), "moe_block_forward: shared_up_proj holds ",
+               dtype_name(w.shared_up_proj.dtype()), ", shared_gate_proj ", dtype_name(w.shared_gate_proj.dtype()),
+               ": they must match");
+
+  ExpertsProblem p;
+  p.hidden_states = hidden;
+  p.config.activation = experts_config.activation;  // gated, concatenated, not transposed, no bias
+  // gate and up rows side by side, built once per pair of weight tensors and kept with the gate
+  // weight's storage: a new tensor on every call would also make a backend that prepares weights
+  // (grouped_mm packs them) redo that work on every call.
+  const std::string key = "moe_block/shared_gate_up/" + std::to_string(w.shared_gate_proj.storage_offset_bytes()) +
+                          "/" + std::to_string(reinterpret_cast<uintptr_t>(w.shared_up_proj.storage().get())) + "/" +
+                          std::to_string(w.shared_up_proj.storage_offset_bytes());
+  const auto fused = w.shared_gate_proj.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+    Tensor gate_up = Tensor::empty({1, 2 * Is, H}, w.shared_gate_proj.dtype());
+    const Tensor gate = w.shared_gate_proj.contiguous(), up = w.shared_up_proj.contiguous();
+    auto* dst = static_cast<unsigned char*>(gate_up.data());
+    std::memcpy(dst, gate.data(), gate.nbytes());
+    std::memcpy(dst + gate.nbytes(), up.data(), up.nbytes());
+    return std::make_shared<Tensor>(std::move(gate_up));
+  });
+  p.gate_up_proj = *std::static_pointer_cast<Tensor>(fused);
+  p.down_proj =
+      (w.shared_down_proj.is_contiguous() ? w.shared_down_proj : w.shared_down_proj.contiguous()).reshape({1, H, Is});
+
+  p.top_k_index = Tensor::zeros({T, 1}, DType::i64);
+  p.top_k_weights = Tensor::empty({T, 1}, DType::f32);
+  float* weights = p.top_k_weights.data_as<float>();
+  if (w.shared_expert_gate.defined()) {
+    check_shape(w.shared_expert_gate, "shared_expert_gate", {1, H});
+    // Qwen2-MoE: sigmoid(F.linear(x, gate)) in the activation dtype.
+    const Tensor logit = project(hidden_f32, contiguous_f32(w.shared_expert_gate), Tensor());
+    const float* ls = logit.data_as<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      const float l = round_to(ls[t], hidden.dtype());
+      weights[t] = round_to(1.0f / (1.0f + std::exp(-l)), hidden.dtype());
+    }
+  } else {
+    std::fill(weights, weights + T, 1.0f);
+  }
+  return experts_forward(p, backend);
+}
+
+}  // namespace
+
+Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const RouterConfig& router,
+                         const ExpertsConfig& experts_config, std::string_view backend) {
+  MOEKIT_CHECK(hidden.defined() && hidden.dim() == 2, "moe_block_forward: hidden must be [T, H], got ",
+               hidden.defined() ? hidden.describe() : std::string("an undefined tensor"));
+  const int64_t T = hidden.size(0), H = hidden.size(1), E = router.num_experts;
+  check_shape(hidden, "hidden", {T, H});
+  MOEKIT_CHECK(w.router_weight.defined(), "moe_block_forward: router_weight is undefined");
+  check_shape(w.router_weight, "router_weight", {E, H});
+  if (w.router_bias.defined()) check_shape(w.router_bias, "router_bias", {E});
+  const bool shared = w.shared_gate_proj.defined();
+  MOEKIT_CHECK(shared == w.shared_up_proj.defined() && shared == w.shared_down_proj.defined(),
+               "moe_block_forward: shared_gate_proj, shared_up_proj and shared_down_proj must be all defined "
+               "or all undefined");
+  MOEKIT_CHECK(shared || !w.shared_expert_gate.defined(),
+               "moe_block_forward: shared_expert_gate is defined but there is no shared expert");
+  if (T == 0) return Tensor::empty({0, H}, hidden.dtype());
+
+  const Tensor x = hidden.is_contiguous() ? hidden : hidden.contiguous();
+  const Tensor x32 = contiguous_f32(x);
+  const Tensor bias32 = w.router_bias.defined() ? contiguous_f32(w.router_bias) : Tensor();
+  Tensor logits = project(x32, contiguous_f32(w.router_weight), bias32);
+  // transformers: Qwen / GPT-OSS run F.linear in the activation dtype; DeepSeek-V3 casts to float32 first.
+  const bool activation_dtype_gate = router.kind != RouterKind::deepseek_v3 && x.dtype() != DType::f32;
+  if (activation_dtype_gate) logits = logits.to(x.dtype());
+  RouterOutput routed = route(logits, router, w.correction_bias);
+
+  ExpertsProblem p;
+  p.hidden_states = x;
+  p.top_k_index = routed.top_k_index;
+  p.top_k_weights = activation_dtype_gate ? routed.top_k_weights.to(x.dtype()) : routed.top_k_weights;
+  p.gate_up_proj = w.experts.gate_up_proj;
+  p.down_proj = w.experts.down_proj;
+  p.gate_up_proj_bias = w.experts.gate_up_proj_bias;
+  p.down_proj_bias = w.experts.down_proj_bias;
+  p.config = experts_config;
+  Tensor out = experts_forward(p, backend);
+  if (!shared) return out;
+
+  const Tensor shared_out = shared_expert_forward(x, x32, w, experts_config, backend);
+  visit_float_dtype(out.dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    S* o = out.data_as<S>();
+    const S* s = shared_out.data_as<S>();
+    const int64_t n = out.numel();
+    for (int64_t i = 0; i < n; ++i) o[i] = from_float<S>(to_float(o[i]) + to_float(s[i]));
+  });
+  return out;
+}
+
+}  // namespace moekit
