@@ -116,6 +116,37 @@ struct Defaults {
   bool attention_bias;
 };
 
+// rope_theta and the rope scaling: transformers 5 writes both into rope_parameters; older configs have
+// a top-level rope_theta and a rope_scaling object ("type" or "rope_type"). The top-level rope_theta
+// wins when both are there, as in transformers' standardize_rope_params.
+void parse_rope(const Fields& f, double default_theta, ModelConfig& c) {
+  json rope = json::object();
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (!f.has(key)) continue;
+    rope = f.required<json>(key);
+    MOEKIT_CHECK(rope.is_object(), f.where(), "field '", key, "' must be an object, got ", show(rope));
+    break;
+  }
+  const Fields r(rope, f.model_type());
+  c.rope_theta = f.has("rope_theta") ? f.positive_number("rope_theta") : r.positive_number("rope_theta", default_theta);
+  auto& s = c.rope_scaling;
+  s.type = r.has("rope_type") ? r.required<std::string>("rope_type") : r.get<std::string>("type", "default");
+  MOEKIT_CHECK(s.type == "default" || s.type == "linear" || s.type == "yarn", f.where(), "rope type '", s.type,
+               "' is not supported (supported: default, linear, yarn)");
+  MOEKIT_CHECK(r.get<double>("partial_rotary_factor", 1.0) == 1.0, f.where(),
+               "partial_rotary_factor != 1 is not supported");
+  if (s.type == "default") return;
+  s.factor = r.positive_number("factor");
+  if (s.type == "linear") return;
+  s.original_max_position_embeddings = r.integer("original_max_position_embeddings", 1, c.max_position_embeddings);
+  s.beta_fast = r.positive_number("beta_fast", 32.0);
+  s.beta_slow = r.positive_number("beta_slow", 1.0);
+  s.mscale = r.get<double>("mscale", 0.0);
+  s.mscale_all_dim = r.get<double>("mscale_all_dim", 0.0);
+  s.attention_factor = r.get<double>("attention_factor", 0.0);
+  s.truncate = r.get<bool>("truncate", true);
+}
+
 // Fields every supported model has. head_dim_default: what an absent head_dim means (transformers:
 // hidden_size / num_attention_heads, except DeepSeek-V3, whose head_dim is qk_rope_head_dim).
 void parse_common(const Fields& f, const Defaults& defaults, std::optional<int64_t> head_dim_default, ModelConfig& c) {
@@ -139,16 +170,8 @@ void parse_common(const Fields& f, const Defaults& defaults, std::optional<int64
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
   c.rms_norm_eps = f.positive_number("rms_norm_eps", defaults.rms_norm_eps);
-  // transformers 5 writes rope_theta inside rope_parameters.
-  if (!f.has("rope_theta") && f.has("rope_parameters")) {
-    const auto rope = f.required<json>("rope_parameters");
-    MOEKIT_CHECK(rope.is_object(), f.where(), "field 'rope_parameters' must be an object, got ", show(rope));
-    const Fields rope_fields(rope, f.model_type());
-    c.rope_theta = rope_fields.positive_number("rope_theta", defaults.rope_theta);
-  } else {
-    c.rope_theta = f.positive_number("rope_theta", defaults.rope_theta);
-  }
   c.max_position_embeddings = f.integer("max_position_embeddings", 1, defaults.max_position_embeddings);
+  parse_rope(f, defaults.rope_theta, c);
   c.tie_word_embeddings = f.get<bool>("tie_word_embeddings", false);
   c.hidden_act = f.get<std::string>("hidden_act", "silu");
   try {
@@ -160,13 +183,21 @@ void parse_common(const Fields& f, const Defaults& defaults, std::optional<int64
   c.dtype = f.has("dtype") ? f.required<std::string>("dtype") : f.get<std::string>("torch_dtype", "");
 }
 
-// The experts' count, top-k and size, under each model's names for them.
+// The experts' count, top-k and size, under each model's names for them. experts_key may have an alias
+// (transformers' attribute_map: Qwen3-MoE's config class writes num_local_experts for num_experts);
+// whichever is present counts, and both must agree.
 void parse_experts(const Fields& f, std::string_view experts_key, std::string_view top_k_key,
-                   std::string_view intermediate_key, ModelConfig& c) {
-  c.num_experts = f.integer(experts_key, 1);
+                   std::string_view intermediate_key, ModelConfig& c, std::string_view experts_alias = {}) {
+  const bool use_alias = !experts_alias.empty() && !f.has(experts_key) && f.has(experts_alias);
+  c.num_experts = f.integer(use_alias ? experts_alias : experts_key, 1);
+  if (!experts_alias.empty() && f.has(experts_key) && f.has(experts_alias)) {
+    const int64_t other = f.integer(experts_alias, 1);
+    MOEKIT_CHECK(other == c.num_experts, f.where(), experts_key, " = ", c.num_experts, " and ", experts_alias, " = ",
+                 other, " disagree");
+  }
   c.num_experts_per_tok = f.integer(top_k_key, 1);
   MOEKIT_CHECK(c.num_experts_per_tok <= c.num_experts, f.where(), top_k_key, " = ", c.num_experts_per_tok,
-               " is larger than ", experts_key, " = ", c.num_experts);
+               " is larger than ", use_alias ? experts_alias : experts_key, " = ", c.num_experts);
   c.moe_intermediate_size = f.integer(intermediate_key, 1);
   c.router.num_experts = c.num_experts;
   c.router.top_k = c.num_experts_per_tok;
@@ -188,7 +219,7 @@ void parse_dense_size(const Fields& f, ModelConfig& c) {
 // of decoder_sparse_step (transformers' Qwen2MoeDecoderLayer).
 void parse_qwen_moe(const Fields& f, ModelConfig& c, bool qwen3) {
   parse_common(f, {1e-6, 10000.0, 32768, false}, std::nullopt, c);
-  parse_experts(f, "num_experts", "num_experts_per_tok", "moe_intermediate_size", c);
+  parse_experts(f, "num_experts", "num_experts_per_tok", "moe_intermediate_size", c, "num_local_experts");
   c.router.kind = RouterKind::softmax_topk;
   c.router.norm_topk_prob = f.get<bool>("norm_topk_prob", false);
   // Its sliding window covers only some layers (max_window_layers); not implemented, so refuse it.
@@ -223,7 +254,7 @@ void parse_qwen3_moe(const Fields& f, ModelConfig& c) {
 // Mixtral's router always renormalises the top-k softmax weights; its intermediate_size is the experts'.
 void parse_mixtral(const Fields& f, ModelConfig& c) {
   parse_common(f, {1e-5, 1e6, 4096 * 32, false}, std::nullopt, c);
-  parse_experts(f, "num_local_experts", "num_experts_per_tok", "intermediate_size", c);
+  parse_experts(f, "num_local_experts", "num_experts_per_tok", "intermediate_size", c, "num_experts");
   c.router.kind = RouterKind::softmax_topk;
   c.router.norm_topk_prob = true;
   c.sliding_window = f.integer("sliding_window", 1, 0);
@@ -232,7 +263,7 @@ void parse_mixtral(const Fields& f, ModelConfig& c) {
 
 void parse_olmoe(const Fields& f, ModelConfig& c) {
   parse_common(f, {1e-5, 10000.0, 4096, false}, std::nullopt, c);
-  parse_experts(f, "num_experts", "num_experts_per_tok", "intermediate_size", c);
+  parse_experts(f, "num_experts", "num_experts_per_tok", "intermediate_size", c, "num_local_experts");
   c.router.kind = RouterKind::softmax_topk;
   c.router.norm_topk_prob = f.get<bool>("norm_topk_prob", false);
   c.qk_norm = true;
@@ -246,7 +277,7 @@ void parse_olmoe(const Fields& f, ModelConfig& c) {
 void parse_deepseek_v3(const Fields& f, ModelConfig& c) {
   c.qk_rope_head_dim = f.integer("qk_rope_head_dim", 1);
   parse_common(f, {1e-6, 10000.0, 4096, false}, c.qk_rope_head_dim, c);
-  parse_experts(f, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", c);
+  parse_experts(f, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", c, "num_local_experts");
   const int64_t E = c.num_experts;
   auto& r = c.router;
   r.kind = RouterKind::deepseek_v3;
@@ -278,6 +309,7 @@ void parse_deepseek_v3(const Fields& f, ModelConfig& c) {
   c.kv_lora_rank = f.integer("kv_lora_rank", 1);
   c.qk_nope_head_dim = f.integer("qk_nope_head_dim", 1);
   c.v_head_dim = f.integer("v_head_dim", 1);
+  c.rope_interleave = f.get<bool>("rope_interleave", true);
 }
 
 // GPT-OSS: top-k on the logits then softmax; biased experts with the clamped SwiGLU, stored transposed

@@ -19,6 +19,19 @@
 
 namespace moekit {
 
+// How the rotary position embedding's frequencies are scaled (transformers' rope_type). "default": none;
+// "linear": positions divided by factor; "yarn": YaRN's blend of interpolated and extrapolated
+// frequencies with cos/sin scaled by attention_factor. Other rope types are refused at parse time.
+struct RopeScaling {
+  std::string type = "default";  // default | linear | yarn
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 0;  // yarn; default max_position_embeddings
+  double beta_fast = 32.0, beta_slow = 1.0;       // yarn
+  double mscale = 0.0, mscale_all_dim = 0.0;      // yarn (DeepSeek); 0 = absent
+  double attention_factor = 0.0;                  // yarn; 0 = derived from factor and the mscales
+  bool truncate = true;                           // yarn: round the correction range outwards
+};
+
 struct ModelConfig {
   std::string model_type;  // one of supported_model_types()
   int64_t vocab_size = 0;
@@ -29,6 +42,10 @@ struct ModelConfig {
   int64_t head_dim = 0;             // default hidden_size / num_attention_heads (deepseek_v3: qk_rope_head_dim)
   double rms_norm_eps = 0;
   double rope_theta = 0;  // top-level rope_theta, else rope_parameters.rope_theta (transformers 5)
+  RopeScaling rope_scaling;  // rope_parameters (transformers 5) or rope_scaling (older configs)
+  // deepseek_v3: the rotary dimensions come in interleaved pairs (x0, x1), (x2, x3), ... (rope_interleave,
+  // default true); otherwise the two halves of the head rotate together (rotate_half).
+  bool rope_interleave = false;
   int64_t max_position_embeddings = 0;
   bool tie_word_embeddings = false;
   std::string hidden_act;  // as written; experts.activation is its parse_activation

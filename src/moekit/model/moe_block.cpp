@@ -58,46 +58,47 @@ void check_shape(const Tensor& t, const char* name, const Shape& expected) {
                ", expected f32, f16 or bf16");
 }
 
-// The shared expert as an experts problem of one expert that every token picks: gate_up_proj
-// [1, 2Is, H] (gate rows then up rows), down_proj [1, H, Is], weight sigmoid(x . gate) or 1.
-Tensor shared_expert_forward(const Tensor& hidden, const Tensor& hidden_f32, const MoeBlockWeights& w,
-                             const ExpertsConfig& experts_config, std::string_view backend) {
-  const int64_t T = hidden.size(0), H = hidden.size(1), Is = w.shared_gate_proj.size(0);
-  check_shape(w.shared_gate_proj, "shared_gate_proj", {Is, H});
-  check_shape(w.shared_up_proj, "shared_up_proj", {Is, H});
-  check_shape(w.shared_down_proj, "shared_down_proj", {H, Is});
-  MOEKIT_CHECK(w.shared_up_proj.dtype() == w.shared_gate_proj.dtype(), "moe_block_forward: shared_up_proj holds ",
-               dtype_name(w.shared_up_proj.dtype()), ", shared_gate_proj ", dtype_name(w.shared_gate_proj.dtype()),
+// A gated MLP as an experts problem of one expert that every token picks: gate_up_proj [1, 2Is, H]
+// (gate rows then up rows), down_proj [1, H, Is], weight sigmoid(x . gate_weight) or 1 without one.
+// `role` prefixes the weights' names in errors ("shared_", "mlp.").
+Tensor one_expert_forward(const Tensor& hidden, const Tensor& gate_proj, const Tensor& up_proj, const Tensor& down_proj,
+                          const Tensor& gate_weight, Activation activation, std::string_view backend,
+                          const std::string& role) {
+  const int64_t T = hidden.size(0), H = hidden.size(1), Is = gate_proj.size(0);
+  check_shape(gate_proj, (role + "gate_proj").c_str(), {Is, H});
+  check_shape(up_proj, (role + "up_proj").c_str(), {Is, H});
+  check_shape(down_proj, (role + "down_proj").c_str(), {H, Is});
+  MOEKIT_CHECK(up_proj.dtype() == gate_proj.dtype(), "moe_block_forward: ", role, "up_proj holds ",
+               dtype_name(up_proj.dtype()), ", ", role, "gate_proj ", dtype_name(gate_proj.dtype()),
                ": they must match");
 
   ExpertsProblem p;
   p.hidden_states = hidden;
-  p.config.activation = experts_config.activation;  // gated, concatenated, not transposed, no bias
+  p.config.activation = activation;  // gated, concatenated, not transposed, no bias
   // gate and up rows side by side, built once per pair of weight tensors and kept with the gate
   // weight's storage: a new tensor on every call would also make a backend that prepares weights
   // (grouped_mm packs them) redo that work on every call.
-  const std::string key = "moe_block/shared_gate_up/" + std::to_string(w.shared_gate_proj.storage_offset_bytes()) +
-                          "/" + std::to_string(reinterpret_cast<uintptr_t>(w.shared_up_proj.storage().get())) + "/" +
-                          std::to_string(w.shared_up_proj.storage_offset_bytes());
-  const auto fused = w.shared_gate_proj.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-    Tensor gate_up = Tensor::empty({1, 2 * Is, H}, w.shared_gate_proj.dtype());
-    const Tensor gate = w.shared_gate_proj.contiguous(), up = w.shared_up_proj.contiguous();
+  const std::string key = "moe_block/gate_up/" + std::to_string(gate_proj.storage_offset_bytes()) + "/" +
+                          std::to_string(reinterpret_cast<uintptr_t>(up_proj.storage().get())) + "/" +
+                          std::to_string(up_proj.storage_offset_bytes());
+  const auto fused = gate_proj.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+    Tensor gate_up = Tensor::empty({1, 2 * Is, H}, gate_proj.dtype());
+    const Tensor gate = gate_proj.contiguous(), up = up_proj.contiguous();
     auto* dst = static_cast<unsigned char*>(gate_up.data());
     std::memcpy(dst, gate.data(), gate.nbytes());
     std::memcpy(dst + gate.nbytes(), up.data(), up.nbytes());
     return std::make_shared<Tensor>(std::move(gate_up));
   });
   p.gate_up_proj = *std::static_pointer_cast<Tensor>(fused);
-  p.down_proj =
-      (w.shared_down_proj.is_contiguous() ? w.shared_down_proj : w.shared_down_proj.contiguous()).reshape({1, H, Is});
+  p.down_proj = (down_proj.is_contiguous() ? down_proj : down_proj.contiguous()).reshape({1, H, Is});
 
   p.top_k_index = Tensor::zeros({T, 1}, DType::i64);
   p.top_k_weights = Tensor::empty({T, 1}, DType::f32);
   float* weights = p.top_k_weights.data_as<float>();
-  if (w.shared_expert_gate.defined()) {
-    check_shape(w.shared_expert_gate, "shared_expert_gate", {1, H});
+  if (gate_weight.defined()) {
+    check_shape(gate_weight, "shared_expert_gate", {1, H});
     // Qwen2-MoE: sigmoid(F.linear(x, gate)) in the activation dtype.
-    const Tensor logit = project(hidden_f32, contiguous_f32(w.shared_expert_gate), Tensor());
+    const Tensor logit = project(contiguous_f32(hidden), contiguous_f32(gate_weight), Tensor());
     const float* ls = logit.data_as<float>();
     for (int64_t t = 0; t < T; ++t) {
       const float l = round_to(ls[t], hidden.dtype());
@@ -149,7 +150,8 @@ Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const R
   Tensor out = experts_forward(p, backend);
   if (!shared) return out;
 
-  const Tensor shared_out = shared_expert_forward(x, x32, w, experts_config, backend);
+  const Tensor shared_out = one_expert_forward(x, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj,
+                                              w.shared_expert_gate, experts_config.activation, backend, "shared_");
   visit_float_dtype(out.dtype(), [&](auto tag) {
     using S = typename decltype(tag)::type;
     S* o = out.data_as<S>();
@@ -158,6 +160,16 @@ Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const R
     for (int64_t i = 0; i < n; ++i) o[i] = from_float<S>(to_float(o[i]) + to_float(s[i]));
   });
   return out;
+}
+
+Tensor dense_mlp_forward(const Tensor& hidden, const Tensor& gate_proj, const Tensor& up_proj, const Tensor& down_proj,
+                         Activation activation, std::string_view backend) {
+  MOEKIT_CHECK(hidden.defined() && hidden.dim() == 2, "dense_mlp_forward: hidden must be [T, H], got ",
+               hidden.defined() ? hidden.describe() : std::string("an undefined tensor"));
+  check_shape(hidden, "hidden", hidden.shape());
+  if (hidden.size(0) == 0) return Tensor::empty({0, hidden.size(1)}, hidden.dtype());
+  const Tensor x = hidden.is_contiguous() ? hidden : hidden.contiguous();
+  return one_expert_forward(x, gate_proj, up_proj, down_proj, Tensor(), activation, backend, "mlp.");
 }
 
 }  // namespace moekit

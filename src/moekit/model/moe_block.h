@@ -50,4 +50,10 @@ struct MoeBlockWeights {
 Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const RouterConfig& router,
                          const ExpertsConfig& experts_config, std::string_view backend);
 
+// A dense gated MLP, down(act(gate x) * up x), as transformers' *MLP modules (DeepSeek-V3's first dense
+// layers): run by experts_forward as one expert that every token picks with weight 1, so that it runs
+// on every backend and device the experts do. gate_proj, up_proj [I, H], down_proj [H, I].
+Tensor dense_mlp_forward(const Tensor& hidden, const Tensor& gate_proj, const Tensor& up_proj, const Tensor& down_proj,
+                         Activation activation, std::string_view backend);
+
 }  // namespace moekit

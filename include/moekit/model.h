@@ -1,0 +1,92 @@
+// The model runtime: Hugging Face MoE checkpoints (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3)
+// loaded from their directory, run as decoder-only language models with a KV cache, and generating
+// text. The experts of every MoE layer run through a named experts backend (see experts.h), chosen per
+// backbone when loading and switched at run time, as transformers' experts_implementation.
+//
+//   auto model = moekit::CausalLM::from_pretrained("Qwen3-30B-A3B", {.experts_implementation = "grouped_mm"});
+//   auto out = model.generate(prompt_ids, {.max_new_tokens = 64});
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moekit/tensor.h"
+
+namespace moekit {
+
+struct LoadOptions {
+  // f32, f16 or bf16; absent: the checkpoint's own (config.json's dtype / torch_dtype, else the dtype
+  // of its embedding table).
+  std::optional<DType> dtype;
+  Device device = Device::cpu();
+  // One backend name for every backbone, or a JSON object {"": name, "<sub-config>": name}.
+  std::string experts_implementation = "grouped_mm";
+  bool progress = true;  // a progress line on stderr while loading large checkpoints
+};
+
+struct GenerationConfig {
+  int64_t max_new_tokens = 32;
+  bool do_sample = false;  // false: greedy (the first largest logit)
+  float temperature = 1.0f;
+  int64_t top_k = 0;    // 0: off
+  float top_p = 1.0f;   // 1: off
+  uint64_t seed = 0;    // sampling is reproducible for one seed
+  std::vector<int32_t> stop_tokens;  // generation ends after producing one of these
+  // Called with each new token as it is produced (streaming); may be empty.
+  std::function<void(int32_t)> on_token;
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // the new tokens only
+  std::string stop_reason;      // "stop token" | "max new tokens"
+  int64_t prefill_tokens = 0, decode_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  // The experts backend of each backbone during each phase (get_experts_implementation's form).
+  std::map<std::string, std::string> prefill_backends, decode_backends;
+};
+
+class CausalLM {
+ public:
+  // Reads dir/config.json and its safetensors; every error names the file, key or tensor.
+  static CausalLM from_pretrained(const std::string& dir, const LoadOptions& options = {});
+
+  CausalLM(CausalLM&&) noexcept;
+  CausalLM& operator=(CausalLM&&) noexcept;
+  ~CausalLM();
+
+  // One backend for every backbone, or per backbone ("" = the top level); unknown backends or
+  // backbones throw listing the valid ones and change nothing.
+  void set_experts_implementation(const std::string& name_or_json);
+  void set_experts_implementation(const std::map<std::string, std::string>& per_backbone);
+  std::map<std::string, std::string> get_experts_implementation() const;
+
+  // Logits [T, vocab] float32 for the token ids, from an empty cache.
+  Tensor forward(std::span<const int32_t> tokens);
+  // Prefill with the prompt, then decode one token at a time. On a GPU, backbones running grouped_mm
+  // run batched_mm for the decode phase and get grouped_mm back afterwards (also on error).
+  GenerationResult generate(std::span<const int32_t> prompt, const GenerationConfig& config);
+
+  // The experts backend each MoE layer ran in the last forward step, in layer order (for tests and
+  // reports).
+  const std::vector<std::string>& last_step_backends() const;
+
+  const std::string& model_type() const;
+  DType dtype() const;
+  Device device() const;
+  int64_t vocab_size() const;
+  int64_t num_layers() const;
+  std::string describe() const;  // one line: type, sizes, dtype, device, backends
+
+ private:
+  struct Impl;
+  explicit CausalLM(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moekit

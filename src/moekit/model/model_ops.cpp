@@ -1,0 +1,260 @@
+#include "moekit/model/model_ops.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "moekit/cpu/gemv.h"
+#include "moekit/cpu/onednn_matmul.h"
+#include "moekit/dtype.h"
+#include "moekit/error.h"
+
+namespace moekit::model_ops {
+namespace {
+
+void check_cpu_contiguous(const Tensor& t, const char* op, const char* name) {
+  MOEKIT_CHECK(t.defined(), op, ": ", name, " is undefined");
+  MOEKIT_CHECK(t.device().is_cpu(), op, ": ", name, " is on ", device_name(t.device()), ", expected the CPU");
+  MOEKIT_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got ", t.describe());
+  MOEKIT_CHECK(is_floating(t.dtype()), op, ": ", name, " holds ", dtype_name(t.dtype()), ", expected f32, f16 or bf16");
+}
+
+// Threads for a loop of `work` units of about `unit_flops` each: one thread for small work, where
+// waking the others costs more than it saves.
+int threads_for(int64_t work, double unit_flops) {
+  if (work <= 1 || static_cast<double>(work) * unit_flops < 2e5) return 1;
+  return static_cast<int>(std::min<int64_t>(work, omp_get_max_threads()));
+}
+
+// A float32 copy of a 16-bit weight, made once and kept with the weight's storage: oneDNN has no f16
+// product on this CPU (see onednn_matmul.h), so f16 models multiply in float32.
+const float* weight_as_f32(const Tensor& w) {
+  const auto key = "model_ops/f32/" + std::to_string(w.storage_offset_bytes()) + "/" + shape_string(w.shape());
+  const auto copy = w.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+    return std::make_shared<Tensor>(w.to(DType::f32));
+  });
+  return static_cast<const Tensor*>(copy.get())->data_as<float>();
+}
+
+}  // namespace
+
+std::vector<float> to_float_vector(const Tensor& x) {
+  check_cpu_contiguous(x, "to_float_vector", "x");
+  std::vector<float> out(static_cast<std::size_t>(x.numel()));
+  visit_float_dtype(x.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* s = x.data_as<T>();
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = to_float(s[i]);
+  });
+  return out;
+}
+
+Tensor embedding(const Tensor& table, std::span<const int32_t> ids) {
+  check_cpu_contiguous(table, "embedding", "table");
+  MOEKIT_CHECK(table.dim() == 2, "embedding: table must be [V, H], got ", table.describe());
+  const int64_t V = table.size(0), H = table.size(1), T = static_cast<int64_t>(ids.size());
+  Tensor out = Tensor::empty({T, H}, table.dtype());
+  const std::size_t row = static_cast<std::size_t>(H) * dtype_size(table.dtype());
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t id = ids[static_cast<std::size_t>(t)];
+    MOEKIT_CHECK(id >= 0 && id < V, "token id ", id, " at position ", t, " is outside the vocabulary [0, ", V, ")");
+    std::memcpy(static_cast<unsigned char*>(out.data()) + static_cast<std::size_t>(t) * row,
+                static_cast<const unsigned char*>(table.data()) + static_cast<std::size_t>(id) * row, row);
+  }
+  return out;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_cpu_contiguous(x, "rms_norm", "x");
+  check_cpu_contiguous(weight, "rms_norm", "weight");
+  MOEKIT_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
+               "rms_norm: x must be [R, D] and weight [D], got ", x.describe(), " and ", weight.describe());
+  const int64_t R = x.size(0), D = x.size(1);
+  Tensor out = Tensor::empty({R, D}, x.dtype());
+  const std::vector<float> w = to_float_vector(weight);
+  visit_float_dtype(x.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* xs = x.data_as<T>();
+    T* os = out.data_as<T>();
+#pragma omp parallel for schedule(static) num_threads(threads_for(R, 4.0 * static_cast<double>(D)))
+    for (int64_t r = 0; r < R; ++r) {
+      const T* row = xs + r * D;
+      float sum = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = to_float(row[d]);
+        sum += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t d = 0; d < D; ++d) {
+        const float normalised = to_float(from_float<T>(to_float(row[d]) * inv));
+        os[r * D + d] = from_float<T>(w[static_cast<std::size_t>(d)] * normalised);
+      }
+    }
+  });
+  return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_cpu_contiguous(x, "linear", "x");
+  check_cpu_contiguous(weight, "linear", "weight");
+  MOEKIT_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1),
+               "linear: x must be [T, K] and weight [N, K], got ", x.describe(), " and ", weight.describe());
+  MOEKIT_CHECK(x.dtype() == weight.dtype(), "linear: x holds ", dtype_name(x.dtype()), ", weight ",
+               dtype_name(weight.dtype()), ": they must match");
+  const int64_t T = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias.defined()) {
+    check_cpu_contiguous(bias, "linear", "bias");
+    MOEKIT_CHECK(bias.dim() == 1 && bias.size(0) == N, "linear: bias must be [", N, "], got ", bias.describe());
+  }
+  std::vector<float> acc(static_cast<std::size_t>(T * N));
+  if (T <= 2) {
+    // Decode: stream the weight once per row, split over threads by output rows.
+    const std::vector<float> xf = to_float_vector(x);
+    constexpr int64_t kRowsPerTask = 64;
+    const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+    visit_float_dtype(weight.dtype(), [&](auto tag) {
+      using W = typename decltype(tag)::type;
+      const W* ws = weight.data_as<W>();
+#pragma omp parallel for schedule(static) num_threads(threads_for(tasks, 2.0 * kRowsPerTask * static_cast<double>(K)))
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t n0 = task * kRowsPerTask, rows = std::min(kRowsPerTask, N - n0);
+        for (int64_t t = 0; t < T; ++t)
+          cpu::gemv_rows(ws + n0 * K, K, xf.data() + t * K, acc.data() + t * N + n0, rows, K);
+      }
+    });
+  } else if (x.dtype() == DType::f16) {
+    const std::vector<float> xf = to_float_vector(x);
+    cpu::matmul_strided(xf.data(), K, T, weight_as_f32(weight), K, N, 1, K, cpu::GemmDType::f32, acc.data(), N);
+  } else {
+    // W^T (k, n) lies at weight[n * K + k]: read in place.
+    cpu::matmul_strided(x.data(), K, T, weight.data(), K, N, 1, K, cpu::gemm_dtype_for(x.dtype()), acc.data(), N);
+  }
+  const std::vector<float> b = bias.defined() ? to_float_vector(bias) : std::vector<float>();
+  Tensor out = Tensor::empty({T, N}, x.dtype());
+  visit_float_dtype(x.dtype(), [&](auto tag) {
+    using T_ = typename decltype(tag)::type;
+    T_* os = out.data_as<T_>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = acc[static_cast<std::size_t>(t * N + n)] + (b.empty() ? 0.0f : b[static_cast<std::size_t>(n)]);
+        os[t * N + n] = from_float<T_>(v);
+      }
+  });
+  return out;
+}
+
+void add_in_place(Tensor& h, const Tensor& a) {
+  check_cpu_contiguous(h, "add_in_place", "h");
+  check_cpu_contiguous(a, "add_in_place", "a");
+  MOEKIT_CHECK(h.shape() == a.shape() && h.dtype() == a.dtype(), "add_in_place: ", h.describe(), " and ",
+               a.describe(), " differ");
+  visit_float_dtype(h.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* hs = h.data_as<T>();
+    const T* as = a.data_as<T>();
+    const int64_t n = h.numel();
+    for (int64_t i = 0; i < n; ++i) hs[i] = from_float<T>(to_float(hs[i]) + to_float(as[i]));
+  });
+}
+
+void clamp_in_place(Tensor& x, float limit) {
+  check_cpu_contiguous(x, "clamp_in_place", "x");
+  visit_float_dtype(x.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* xs = x.data_as<T>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) xs[i] = from_float<T>(std::clamp(to_float(xs[i]), -limit, limit));
+  });
+}
+
+Tensor columns(const Tensor& x, int64_t begin, int64_t end) {
+  check_cpu_contiguous(x, "columns", "x");
+  MOEKIT_CHECK(x.dim() == 2 && 0 <= begin && begin <= end && end <= x.size(1), "columns: [", begin, ", ", end,
+               ") of ", x.describe());
+  return x.slice(1, begin, end).contiguous();
+}
+
+void apply_rotary(Tensor& x, int64_t heads, int64_t head_stride, int64_t offset, const RotaryTables& rope,
+                  int64_t positions_begin) {
+  check_cpu_contiguous(x, "apply_rotary", "x");
+  const int64_t half = static_cast<int64_t>(rope.inv_freq.size()), T = x.size(0);
+  MOEKIT_CHECK(x.dim() == 2 && x.size(1) == heads * head_stride && offset + 2 * half <= head_stride,
+               "apply_rotary: x ", x.describe(), " does not hold ", heads, " heads of ", head_stride,
+               " with ", 2 * half, " rotary values at ", offset);
+  visit_float_dtype(x.dtype(), [&](auto tag) {
+    using T_ = typename decltype(tag)::type;
+    T_* xs = x.data_as<T_>();
+    std::vector<float> cos(static_cast<std::size_t>(half)), sin(cos.size()), rotated(2 * cos.size());
+    for (int64_t t = 0; t < T; ++t) {
+      const float position = static_cast<float>(positions_begin + t);
+      for (int64_t i = 0; i < half; ++i) {
+        // float32 as transformers: freqs = inv_freq * position, then cos/sin scaled, then the dtype.
+        const float angle = rope.inv_freq[static_cast<std::size_t>(i)] * position;
+        cos[static_cast<std::size_t>(i)] = to_float(from_float<T_>(std::cos(angle) * rope.attention_factor));
+        sin[static_cast<std::size_t>(i)] = to_float(from_float<T_>(std::sin(angle) * rope.attention_factor));
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T_* v = xs + t * heads * head_stride + h * head_stride + offset;
+        for (int64_t i = 0; i < half; ++i) {
+          // Interleaved pairs (x[2i], x[2i+1]) come out de-interleaved (first halves, then second
+          // halves), as transformers' apply_rotary_pos_emb_interleave writes them; q and k get the same
+          // permutation, so their dot products are unchanged.
+          const float a = to_float(rope.interleaved ? v[2 * i] : v[i]);
+          const float b = to_float(rope.interleaved ? v[2 * i + 1] : v[i + half]);
+          const float c = cos[static_cast<std::size_t>(i)], s = sin[static_cast<std::size_t>(i)];
+          rotated[static_cast<std::size_t>(i)] = a * c - b * s;
+          rotated[static_cast<std::size_t>(i + half)] = b * c + a * s;
+        }
+        for (int64_t i = 0; i < 2 * half; ++i) v[i] = from_float<T_>(rotated[static_cast<std::size_t>(i)]);
+      }
+    }
+  });
+}
+
+Tensor attention(const float* q, const float* k, const float* v, const AttentionShape& s, DType dtype) {
+  MOEKIT_CHECK(s.key_heads > 0 && s.query_heads % s.key_heads == 0, "attention: ", s.query_heads,
+               " query heads are not a multiple of ", s.key_heads, " key heads");
+  const int64_t T = s.tokens, groups = s.query_heads / s.key_heads;
+  Tensor out = Tensor::empty({T, s.query_heads * s.value_dim}, dtype);
+  visit_float_dtype(dtype, [&](auto tag) {
+    using T_ = typename decltype(tag)::type;
+    T_* os = out.data_as<T_>();
+    const int64_t work = T * s.query_heads;
+#pragma omp parallel for schedule(static) \
+    num_threads(threads_for(work, 2.0 * static_cast<double>(s.past + T) * static_cast<double>(s.key_dim + s.value_dim)))
+    for (int64_t item = 0; item < work; ++item) {
+      const int64_t t = item / s.query_heads, h = item % s.query_heads, kh = h / groups;
+      const int64_t position = s.past + t;
+      const int64_t first = s.sliding_window > 0 ? std::max<int64_t>(0, position - s.sliding_window + 1) : 0;
+      const float* qv = q + (t * s.query_heads + h) * s.key_dim;
+      std::vector<float> scores(static_cast<std::size_t>(position + 1 - first));
+      float max_score = s.sinks != nullptr ? s.sinks[h] : -std::numeric_limits<float>::infinity();
+      for (int64_t j = first; j <= position; ++j) {
+        const float* kv = k + (j * s.key_heads + kh) * s.key_dim;
+        float dot = 0;
+        for (int64_t d = 0; d < s.key_dim; ++d) dot += qv[d] * kv[d];
+        scores[static_cast<std::size_t>(j - first)] = dot * s.scale;
+        max_score = std::max(max_score, dot * s.scale);
+      }
+      float denominator = s.sinks != nullptr ? std::exp(s.sinks[h] - max_score) : 0.0f;
+      for (float& score : scores) {
+        score = std::exp(score - max_score);
+        denominator += score;
+      }
+      std::vector<float> acc(static_cast<std::size_t>(s.value_dim), 0.0f);
+      for (int64_t j = first; j <= position; ++j) {
+        const float p = scores[static_cast<std::size_t>(j - first)] / denominator;
+        const float* vv = v + (j * s.key_heads + kh) * s.value_dim;
+        for (int64_t d = 0; d < s.value_dim; ++d) acc[static_cast<std::size_t>(d)] += p * vv[d];
+      }
+      T_* o = os + (t * s.query_heads + h) * s.value_dim;
+      for (int64_t d = 0; d < s.value_dim; ++d) o[d] = from_float<T_>(acc[static_cast<std::size_t>(d)]);
+    }
+  });
+  return out;
+}
+
+}  // namespace moekit::model_ops
