@@ -82,3 +82,26 @@ add_cli_test(cli_experts_needs_input EXPECT failure PATTERNS "--input is require
 # lives in test_safetensors.cpp (CliExperts*), which runs the binary at this path.
 target_compile_definitions(moekit_tests PRIVATE MOEKIT_CLI_PATH="$<TARGET_FILE:moekit_cli>")
 add_dependencies(moekit_tests moekit_cli)
+
+# The model commands, on the fixture checkpoints (made with transformers) and on a random model.
+set(fixture_models ${CMAKE_CURRENT_SOURCE_DIR}/fixtures/models)
+add_cli_test(cli_generate_fixture_tokens EXPECT success
+             PATTERNS "qwen3_moe: 3 layers \\(2 MoE\\)" "prefill: 3 tokens" "decode:  3 tokens"
+                      "experts \"\": batched_mm" "stopped: max new tokens after 4 new tokens"
+             ARGS generate --model ${fixture_models}/qwen3_moe --prompt-tokens 5,6,7 --max-new-tokens 4
+                  --experts-implementation batched_mm --raw)
+add_cli_test(cli_generate_no_tokenizer EXPECT failure PATTERNS "has no tokenizer.json" "--prompt-tokens"
+             ARGS generate --model ${fixture_models}/mixtral --prompt hello)
+add_cli_test(cli_generate_bad_token_list EXPECT failure PATTERNS "--prompt-tokens: '2x' is not a token id"
+             ARGS generate --model ${fixture_models}/mixtral --prompt-tokens 1,2x,3)
+add_cli_test(cli_generate_unknown_backend EXPECT failure PATTERNS "unknown experts backend 'fastest'"
+             ARGS generate --model ${fixture_models}/mixtral --prompt-tokens 1 --experts-implementation fastest)
+add_cli_test(cli_generate_missing_model EXPECT failure PATTERNS "no_such_dir"
+             ARGS generate --model no_such_dir --prompt-tokens 1)
+add_cli_test(cli_forward_writes_logits EXPECT success PATTERNS "wrote logits \\[3, 96\\] float32"
+             ARGS forward --model ${fixture_models}/olmoe --tokens 4,5,6
+                  --output ${CMAKE_CURRENT_BINARY_DIR}/cli_forward_logits.safetensors)
+add_cli_test(cli_forward_needs_tokens EXPECT failure PATTERNS "--tokens is required"
+             ARGS forward --model ${fixture_models}/olmoe --output unused.safetensors)
+add_cli_test(cli_make_model_unknown_preset EXPECT failure PATTERNS "unknown preset 'huge'" "presets: tiny"
+             ARGS make-model --preset huge --out ${CMAKE_CURRENT_BINARY_DIR}/unused_model)

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -105,6 +106,81 @@ TEST_P(CausalLMTransformers, Bf16LogitsAsCloseToFloat32AsTransformersBf16) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, CausalLMTransformers,
                          ::testing::Combine(::testing::ValuesIn(kModels), ::testing::ValuesIn(kCpuBackends)),
                          [](const auto& p) { return std::get<0>(p.param) + "_" + std::get<1>(p.param); });
+
+// The same fixtures with the whole model on a GPU (every layer's dense operations, routers and experts
+// on CUDA); skipped where there is none.
+class CausalLMTransformersCuda : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!device_available(Device::cuda(0), &why)) GTEST_SKIP() << "no GPU: " << why;
+  }
+};
+
+TEST_P(CausalLMTransformersCuda, Float32LogitsAndGreedyTokensMatch) {
+  const auto& [name, backend] = GetParam();
+  const Expected e = load_expected(name);
+  CausalLM model =
+      CausalLM::from_pretrained(model_dir(name), {.device = Device::cuda(0), .experts_implementation = backend});
+  EXPECT_TRUE(model.device().is_cuda());
+  expect_logits_close(model.forward(e.prompt), e.logits, 1e-4, 1e-4);
+  GenerationConfig g;
+  g.max_new_tokens = static_cast<int64_t>(e.greedy.size());
+  EXPECT_EQ(model.generate(e.prompt, g).tokens, e.greedy);
+}
+
+TEST_P(CausalLMTransformersCuda, Bf16LogitsAsCloseToFloat32AsTransformersBf16) {
+  const auto& [name, backend] = GetParam();
+  const Expected e = load_expected(name);
+  CausalLM model = CausalLM::from_pretrained(
+      model_dir(name), {.dtype = DType::bf16, .device = Device::cuda(0), .experts_implementation = backend});
+  const Tensor ours = model.forward(e.prompt);
+  const int64_t T = ours.size(0);
+  const double theirs = relative_l2(e.logits_bf16, e.logits, 0, T);  // see the CPU test above
+  EXPECT_LE(relative_l2(ours, e.logits, 0, T), std::max(1.5 * theirs, 2e-2)) << "transformers' bf16: " << theirs;
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CausalLMTransformersCuda,
+                         ::testing::Combine(::testing::ValuesIn(kModels), ::testing::ValuesIn(kCpuBackends)),
+                         [](const auto& p) { return std::get<0>(p.param) + "_" + std::get<1>(p.param); });
+
+// On a GPU, a model loaded with grouped_mm prefills with it, decodes with batched_mm, and gets
+// grouped_mm back afterwards; entries that are not grouped_mm are left alone.
+TEST(CausalLMCuda, DecodePhaseSwitchesGroupedToBatched) {
+  std::string why;
+  if (!device_available(Device::cuda(0), &why)) GTEST_SKIP() << "no GPU: " << why;
+  const Expected e = load_expected("qwen3_moe");
+  CausalLM model =
+      CausalLM::from_pretrained(model_dir("qwen3_moe"), {.device = Device::cuda(0), .experts_implementation = "grouped_mm"});
+  GenerationConfig g;
+  g.max_new_tokens = 4;
+  std::vector<std::vector<std::string>> per_step;
+  g.on_token = [&](int32_t) { per_step.push_back(model.last_step_backends()); };
+  const GenerationResult r = model.generate(e.prompt, g);
+  const std::map<std::string, std::string> grouped{{"", "grouped_mm"}}, batched{{"", "batched_mm"}};
+  EXPECT_EQ(r.prefill_backends, grouped);
+  EXPECT_EQ(r.decode_backends, batched);
+  ASSERT_EQ(per_step.size(), 4u);
+  // The first token comes from the prefill step; the next ones from decode steps.
+  EXPECT_EQ(per_step[0], (std::vector<std::string>{"grouped_mm", "grouped_mm"}));
+  for (std::size_t i = 1; i < per_step.size(); ++i)
+    EXPECT_EQ(per_step[i], (std::vector<std::string>{"batched_mm", "batched_mm"})) << "step " << i;
+  EXPECT_EQ(model.get_experts_implementation(), grouped);
+  EXPECT_EQ(r.tokens, std::vector<int32_t>(e.greedy.begin(), e.greedy.begin() + 4));
+
+  // A failure during decode restores grouped_mm too.
+  GenerationConfig failing = g;
+  int calls = 0;
+  failing.on_token = [&](int32_t) {
+    if (++calls == 2) throw std::runtime_error("interrupted");
+  };
+  EXPECT_THROW(model.generate(e.prompt, failing), std::runtime_error);
+  EXPECT_EQ(model.get_experts_implementation(), grouped);
+
+  // eager is not switched.
+  model.set_experts_implementation("eager");
+  EXPECT_EQ(model.generate(e.prompt, g).decode_backends, (std::map<std::string, std::string>{{"", "eager"}}));
+}
 
 TEST(CausalLM, DecodeWithCacheMatchesFullForward) {
   // The logits of the last decode step equal the full forward's last row over prompt + generated.

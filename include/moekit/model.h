@@ -14,6 +14,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moekit/tensor.h"
@@ -88,5 +89,18 @@ class CausalLM {
   explicit CausalLM(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Random checkpoints for demos, tests and benchmarks (qwen3_moe, written as transformers writes one:
+// config.json, model.safetensors with per-expert tensors, and a byte-level tokenizer.json of 256 byte
+// tokens plus <|endoftext|>, <|im_start|>, <|im_end|>). The same spec and seed give the same bytes.
+struct RandomModelSpec {
+  std::string preset = "tiny";  // see random_model_presets()
+  int64_t layers = 0;           // 0: the preset's
+  DType dtype = DType::bf16;
+  uint64_t seed = 0;
+  bool progress = false;        // a progress line on stderr
+};
+std::vector<std::pair<std::string, std::string>> random_model_presets();  // (name, description)
+void write_random_model(const std::string& dir, const RandomModelSpec& spec);
 
 }  // namespace moekit

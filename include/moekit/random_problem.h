@@ -30,6 +30,10 @@ struct RandomProblemOptions {
 // A problem on the CPU with freshly allocated tensors (never aliasing an earlier problem's memory).
 ExpertsProblem make_random_problem(const RandomProblemOptions& options);
 
+// Fills a contiguous CPU float tensor with values uniform in [-scale, scale), each element hashed from
+// (stream, its index): the same stream gives the same values on any number of threads.
+void fill_uniform(Tensor& t, float scale, uint64_t stream);
+
 // Redraws the routing (ids and weights) of an existing problem in place, keeping the weights.
 void redraw_routing(ExpertsProblem& problem, const RandomProblemOptions& options, uint64_t seed);
 

@@ -17,7 +17,14 @@ uint64_t mix(uint64_t z) {
 }
 
 void fill_uniform(Tensor& t, std::mt19937_64& rng, float scale) {
-  const uint64_t stream = rng();
+  moekit::fill_uniform(t, scale, rng());
+}
+
+}  // namespace
+
+void fill_uniform(Tensor& t, float scale, uint64_t stream) {
+  MOEKIT_CHECK(t.device().is_cpu() && t.is_contiguous(), "fill_uniform: expected a contiguous CPU tensor, got ",
+               t.describe());
   const int64_t n = t.numel();
   visit_float_dtype(t.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -30,8 +37,6 @@ void fill_uniform(Tensor& t, std::mt19937_64& rng, float scale) {
     }
   });
 }
-
-}  // namespace
 
 void redraw_routing(ExpertsProblem& problem, const RandomProblemOptions& o, uint64_t seed) {
   std::mt19937_64 rng(seed * 0x9e3779b97f4a7c15ull + 17);

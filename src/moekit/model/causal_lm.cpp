@@ -46,14 +46,32 @@ struct LayerWeights {
 };
 
 // One layer's cache: per position, `first` then `second` values (keys and values of grouped-query
-// attention; MLA's latent and rotated key), in float holding values already rounded to the dtype.
+// attention; MLA's latent and rotated key). On the CPU in float (holding values already rounded to the
+// dtype); on a GPU as [capacity, row] tensors of the dtype that double when full.
 struct LayerCache {
   std::vector<float> first, second;
+  Tensor first_device, second_device;
+  int64_t length = 0;  // positions held
+
   void append(const Tensor& a, const Tensor& b) {
-    for (auto [t, dst] : {std::pair{&a, &first}, std::pair{&b, &second}}) {
-      const std::vector<float> values = ops::to_float_vector(*t);
-      dst->insert(dst->end(), values.begin(), values.end());
+    if (a.device().is_cuda()) {
+      for (auto [t, dst] : {std::pair{&a, &first_device}, std::pair{&b, &second_device}}) {
+        const int64_t needed = length + t->size(0);
+        if (!dst->defined() || dst->size(0) < needed) {
+          Tensor grown = Tensor::empty({std::max<int64_t>(needed, dst->defined() ? 2 * dst->size(0) : 256), t->size(1)},
+                                       t->dtype(), t->device());
+          if (length > 0) ops::write_rows(grown, 0, dst->slice(0, 0, length));
+          *dst = grown;
+        }
+        ops::write_rows(*dst, length, *t);
+      }
+    } else {
+      for (auto [t, dst] : {std::pair{&a, &first}, std::pair{&b, &second}}) {
+        const std::vector<float> values = ops::to_float_vector(*t);
+        dst->insert(dst->end(), values.begin(), values.end());
+      }
     }
+    length += a.size(0);
   }
 };
 
@@ -137,9 +155,9 @@ struct CausalLM::Impl {
       : checkpoint(dir),
         config(parse_model_config(checkpoint.config())),
         experts_implementation(checkpoint.sub_config_names()) {
-    MOEKIT_CHECK(options.device.is_cpu(), "from_pretrained: the model runtime runs on the CPU so far; ",
-                 device_name(options.device), " was asked for (the experts backends themselves run on CUDA: ",
-                 "see moekit bench --device cuda)");
+    std::string why_not;
+    MOEKIT_CHECK(device_available(options.device, &why_not), "from_pretrained: ", device_name(options.device),
+                 " is not available: ", why_not);
     MOEKIT_CHECK(config.model_type != "gpt_oss", "from_pretrained: gpt_oss is parsed but its decoder (attention "
                                                  "sinks, transposed biased experts) is not implemented yet");
     device = options.device;
@@ -153,7 +171,13 @@ struct CausalLM::Impl {
     MOEKIT_CHECK(is_floating(dtype), "from_pretrained: dtype must be f32, f16 or bf16, got ", dtype_name(dtype));
     experts_implementation.set_from_text(options.experts_implementation);
     load_weights();
+    if (device.is_cuda()) move_weights_to_device();
     rotary = rotary_tables(config);
+    if (device.is_cuda()) {
+      Tensor inv_freq = Tensor::empty({static_cast<int64_t>(rotary.inv_freq.size())}, DType::f32);
+      std::copy(rotary.inv_freq.begin(), rotary.inv_freq.end(), inv_freq.data_as<float>());
+      rotary.inv_freq_device = inv_freq.to(device);
+    }
     scale = attention_scale(config);
     reset_cache();
   }
@@ -253,6 +277,33 @@ struct CausalLM::Impl {
     }
   }
 
+  // Every weight to the model's GPU (loaded and fused on the host first, then copied once).
+  void move_weights_to_device() {
+    auto move = [&](Tensor& t) {
+      if (t.defined()) t = t.to(device);
+    };
+    const bool tied = lm_head.storage() == embed_tokens.storage();
+    move(embed_tokens);
+    move(final_norm);
+    if (tied) {
+      lm_head = embed_tokens;
+    } else {
+      move(lm_head);
+    }
+    for (LayerWeights& l : layers) {
+      AttentionWeights& a = l.attention;
+      for (Tensor* t : {&l.input_norm, &l.post_attention_norm, &a.q_proj, &a.q_bias, &a.k_proj, &a.k_bias, &a.v_proj,
+                        &a.v_bias, &a.o_proj, &a.o_bias, &a.q_norm, &a.k_norm, &a.q_a_proj, &a.q_a_norm, &a.q_b_proj,
+                        &a.kv_a_proj, &a.kv_a_norm, &a.kv_b_proj, &l.mlp_gate, &l.mlp_up, &l.mlp_down})
+        move(*t);
+      MoeBlockWeights& m = l.moe_block;
+      for (Tensor* t : {&m.router_weight, &m.router_bias, &m.correction_bias, &m.experts.gate_up_proj,
+                        &m.experts.down_proj, &m.experts.gate_up_proj_bias, &m.experts.down_proj_bias,
+                        &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_expert_gate})
+        move(*t);
+    }
+  }
+
   void reset_cache() {
     cache.assign(layers.size(), LayerCache());
     cached_positions = 0;
@@ -285,6 +336,10 @@ struct CausalLM::Impl {
     s.value_dim = hd;
     s.scale = scale;
     s.sliding_window = c.sliding_window;
+    if (device.is_cuda()) {
+      const Tensor out = ops::attention(q, lc.first_device, Hk * hd, hd, lc.second_device, Hk * hd, hd, s);
+      return ops::linear(out, a.o_proj, a.o_bias);
+    }
     const std::vector<float> qf = ops::to_float_vector(q);
     const Tensor out = ops::attention(qf.data(), lc.first.data(), lc.second.data(), s, dtype);
     return ops::linear(out, a.o_proj, a.o_bias);
@@ -305,8 +360,30 @@ struct CausalLM::Impl {
     ops::apply_rotary(k_rot, 1, rope, 0, rotary, cached_positions);
     lc.append(latent, k_rot);
 
-    // Every cached position's keys and values from its latent: [S, Hq, nope + vd].
     const int64_t S = cached_positions + T;
+    ops::AttentionShape s;
+    s.tokens = T;
+    s.past = cached_positions;
+    s.query_heads = Hq;
+    s.key_heads = Hq;
+    s.key_dim = qk;
+    s.value_dim = vd;
+    s.scale = scale;
+    if (device.is_cuda()) {
+      // Keys [S, Hq, nope + rope]: each head's k_nope from kv_b_proj, then the shared rotated key;
+      // values read in place from kv_b_proj's output (columns nope .. nope + vd of each head).
+      const Tensor kv = ops::linear(lc.first_device.slice(0, 0, S), a.kv_b_proj);
+      Tensor keys = Tensor::empty({S, Hq * qk}, dtype, device);
+      const Tensor rotated = lc.second_device.slice(0, 0, S);
+      for (int64_t h = 0; h < Hq; ++h) {
+        ops::copy_columns(kv, h * (nope + vd), h * (nope + vd) + nope, keys, h * qk);
+        ops::copy_columns(rotated, 0, rope, keys, h * qk + nope);
+      }
+      const Tensor values = kv.slice(1, nope, kv.size(1));
+      const Tensor out = ops::attention(q, keys, Hq * qk, qk, values, Hq * (nope + vd), nope + vd, s);
+      return ops::linear(out, a.o_proj);
+    }
+    // Every cached position's keys and values from its latent: [S, Hq, nope + vd].
     Tensor latents = Tensor::empty({S, rank}, dtype);
     visit_float_dtype(dtype, [&](auto tag) {
       using D = typename decltype(tag)::type;
@@ -323,14 +400,6 @@ struct CausalLM::Impl {
         std::copy(lc.second.begin() + j * rope, lc.second.begin() + (j + 1) * rope, key + nope);
         std::copy(src + nope, src + nope + vd, values.data() + (j * Hq + h) * vd);
       }
-    ops::AttentionShape s;
-    s.tokens = T;
-    s.past = cached_positions;
-    s.query_heads = Hq;
-    s.key_heads = Hq;
-    s.key_dim = qk;
-    s.value_dim = vd;
-    s.scale = scale;
     const std::vector<float> qf = ops::to_float_vector(q);
     const Tensor out = ops::attention(qf.data(), keys.data(), values.data(), s, dtype);
     return ops::linear(out, a.o_proj);
@@ -362,8 +431,9 @@ struct CausalLM::Impl {
       ops::add_in_place(h, mlp);
     }
     cached_positions += T;
-    const Tensor last = logit_rows == T ? h : h.slice(0, T - logit_rows, T).contiguous();
-    const Tensor logits = ops::linear(ops::rms_norm(last, final_norm, c.rms_norm_eps), lm_head);
+    const Tensor last = logit_rows == T ? h : h.slice(0, T - logit_rows, T);  // whole rows: contiguous
+    Tensor logits = ops::linear(ops::rms_norm(last, final_norm, c.rms_norm_eps), lm_head);
+    if (logits.device().is_cuda()) logits = logits.to(Device::cpu());  // sampling runs on the host
     return logits.dtype() == DType::f32 ? logits : logits.to(DType::f32);
   }
 };

@@ -11,16 +11,35 @@
 #include "moekit/cpu/onednn_matmul.h"
 #include "moekit/dtype.h"
 #include "moekit/error.h"
+#if MOEKIT_HAS_CUDA
+#include "moekit/cuda/model_kernels.h"
+#endif
 
 namespace moekit::model_ops {
 namespace {
 
-void check_cpu_contiguous(const Tensor& t, const char* op, const char* name) {
+void check_contiguous(const Tensor& t, const char* op, const char* name) {
   MOEKIT_CHECK(t.defined(), op, ": ", name, " is undefined");
-  MOEKIT_CHECK(t.device().is_cpu(), op, ": ", name, " is on ", device_name(t.device()), ", expected the CPU");
   MOEKIT_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got ", t.describe());
   MOEKIT_CHECK(is_floating(t.dtype()), op, ": ", name, " holds ", dtype_name(t.dtype()), ", expected f32, f16 or bf16");
 }
+
+void check_same_device(const Tensor& a, const Tensor& b, const char* op, const char* name) {
+  MOEKIT_CHECK(!b.defined() || a.device() == b.device(), op, ": ", name, " is on ", device_name(b.device()), ", not on ",
+               device_name(a.device()));
+}
+
+// The CUDA kernels take the default stream: the model runtime orders everything on it.
+#if MOEKIT_HAS_CUDA
+constexpr cudaStream_t kStream = nullptr;
+#endif
+
+#if !MOEKIT_HAS_CUDA
+// A tensor on a GPU in a build without CUDA (cannot be made; kept so every branch is well-formed).
+[[noreturn]] void no_cuda(const char* op) {
+  MOEKIT_FAIL(op, ": this build of moekit has no CUDA support");
+}
+#endif
 
 // Threads for a loop of `work` units of about `unit_flops` each: one thread for small work, where
 // waking the others costs more than it saves.
@@ -41,8 +60,9 @@ const float* weight_as_f32(const Tensor& w) {
 
 }  // namespace
 
-std::vector<float> to_float_vector(const Tensor& x) {
-  check_cpu_contiguous(x, "to_float_vector", "x");
+std::vector<float> to_float_vector(const Tensor& x_any) {
+  check_contiguous(x_any, "to_float_vector", "x");
+  const Tensor x = x_any.device().is_cpu() ? x_any : x_any.to(Device::cpu());
   std::vector<float> out(static_cast<std::size_t>(x.numel()));
   visit_float_dtype(x.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -53,14 +73,27 @@ std::vector<float> to_float_vector(const Tensor& x) {
 }
 
 Tensor embedding(const Tensor& table, std::span<const int32_t> ids) {
-  check_cpu_contiguous(table, "embedding", "table");
+  check_contiguous(table, "embedding", "table");
   MOEKIT_CHECK(table.dim() == 2, "embedding: table must be [V, H], got ", table.describe());
   const int64_t V = table.size(0), H = table.size(1), T = static_cast<int64_t>(ids.size());
-  Tensor out = Tensor::empty({T, H}, table.dtype());
-  const std::size_t row = static_cast<std::size_t>(H) * dtype_size(table.dtype());
   for (int64_t t = 0; t < T; ++t) {
     const int32_t id = ids[static_cast<std::size_t>(t)];
     MOEKIT_CHECK(id >= 0 && id < V, "token id ", id, " at position ", t, " is outside the vocabulary [0, ", V, ")");
+  }
+  Tensor out = Tensor::empty({T, H}, table.dtype(), table.device());
+  if (table.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    const Tensor device_ids =
+        Tensor::from_blob(const_cast<int32_t*>(ids.data()), {T}, DType::i32).to(table.device());
+    cuda::embedding_forward(table.data(), device_ids.data_as<int32_t>(), T, H, table.dtype(), out.data(), kStream);
+    return out;
+#else
+    no_cuda("embedding");
+#endif
+  }
+  const std::size_t row = static_cast<std::size_t>(H) * dtype_size(table.dtype());
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t id = ids[static_cast<std::size_t>(t)];
     std::memcpy(static_cast<unsigned char*>(out.data()) + static_cast<std::size_t>(t) * row,
                 static_cast<const unsigned char*>(table.data()) + static_cast<std::size_t>(id) * row, row);
   }
@@ -68,12 +101,21 @@ Tensor embedding(const Tensor& table, std::span<const int32_t> ids) {
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  check_cpu_contiguous(x, "rms_norm", "x");
-  check_cpu_contiguous(weight, "rms_norm", "weight");
+  check_contiguous(x, "rms_norm", "x");
+  check_contiguous(weight, "rms_norm", "weight");
+  check_same_device(x, weight, "rms_norm", "weight");
   MOEKIT_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
                "rms_norm: x must be [R, D] and weight [D], got ", x.describe(), " and ", weight.describe());
   const int64_t R = x.size(0), D = x.size(1);
-  Tensor out = Tensor::empty({R, D}, x.dtype());
+  Tensor out = Tensor::empty({R, D}, x.dtype(), x.device());
+  if (x.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    cuda::rms_norm_forward(x.data(), weight.data(), R, D, static_cast<float>(eps), x.dtype(), out.data(), kStream);
+    return out;
+#else
+    no_cuda("rms_norm");
+#endif
+  }
   const std::vector<float> w = to_float_vector(weight);
   visit_float_dtype(x.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -97,18 +139,27 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return out;
 }
 
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  check_cpu_contiguous(x, "linear", "x");
-  check_cpu_contiguous(weight, "linear", "weight");
+namespace {
+
+void check_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_contiguous(x, "linear", "x");
+  check_contiguous(weight, "linear", "weight");
+  check_same_device(x, weight, "linear", "weight");
+  check_same_device(x, bias, "linear", "bias");
   MOEKIT_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1),
                "linear: x must be [T, K] and weight [N, K], got ", x.describe(), " and ", weight.describe());
   MOEKIT_CHECK(x.dtype() == weight.dtype(), "linear: x holds ", dtype_name(x.dtype()), ", weight ",
                dtype_name(weight.dtype()), ": they must match");
-  const int64_t T = x.size(0), K = x.size(1), N = weight.size(0);
   if (bias.defined()) {
-    check_cpu_contiguous(bias, "linear", "bias");
-    MOEKIT_CHECK(bias.dim() == 1 && bias.size(0) == N, "linear: bias must be [", N, "], got ", bias.describe());
+    check_contiguous(bias, "linear", "bias");
+    MOEKIT_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), "linear: bias must be [", weight.size(0),
+                 "], got ", bias.describe());
   }
+}
+
+// x @ weight^T in float on the CPU: [T * N] values.
+std::vector<float> cpu_product(const Tensor& x, const Tensor& weight) {
+  const int64_t T = x.size(0), K = x.size(1), N = weight.size(0);
   std::vector<float> acc(static_cast<std::size_t>(T * N));
   if (T <= 2) {
     // Decode: stream the weight once per row, split over threads by output rows.
@@ -132,6 +183,49 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     // W^T (k, n) lies at weight[n * K + k]: read in place.
     cpu::matmul_strided(x.data(), K, T, weight.data(), K, N, 1, K, cpu::gemm_dtype_for(x.dtype()), acc.data(), N);
   }
+  return acc;
+}
+
+}  // namespace
+
+Tensor linear_f32(const Tensor& x, const Tensor& weight) {
+  check_linear(x, weight, Tensor());
+  const int64_t T = x.size(0), N = weight.size(0);
+  Tensor out = Tensor::empty({T, N}, DType::f32, x.device());
+  if (x.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    const int64_t K = x.size(1);
+    Tensor workspace = Tensor::empty({static_cast<int64_t>(cuda::linear_workspace_bytes(T, K, N))}, DType::u8,
+                                     x.device());
+    cuda::linear_forward_f32(x.data(), weight.data(), T, K, N, x.dtype(), out.data_as<float>(), workspace.data(),
+                             kStream);
+    return out;
+#else
+    no_cuda("linear_f32");
+#endif
+  }
+  const std::vector<float> acc = cpu_product(x, weight);
+  std::copy(acc.begin(), acc.end(), out.data_as<float>());
+  return out;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_linear(x, weight, bias);
+  const int64_t T = x.size(0), N = weight.size(0);
+  if (x.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    const int64_t K = x.size(1);
+    Tensor out = Tensor::empty({T, N}, x.dtype(), x.device());
+    Tensor workspace = Tensor::empty({static_cast<int64_t>(cuda::linear_workspace_bytes(T, K, N))}, DType::u8,
+                                     x.device());
+    cuda::linear_forward(x.data(), weight.data(), bias.defined() ? bias.data() : nullptr, T, K, N, x.dtype(),
+                         out.data(), workspace.data(), kStream);
+    return out;
+#else
+    no_cuda("linear");
+#endif
+  }
+  const std::vector<float> acc = cpu_product(x, weight);
   const std::vector<float> b = bias.defined() ? to_float_vector(bias) : std::vector<float>();
   Tensor out = Tensor::empty({T, N}, x.dtype());
   visit_float_dtype(x.dtype(), [&](auto tag) {
@@ -147,10 +241,19 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
 }
 
 void add_in_place(Tensor& h, const Tensor& a) {
-  check_cpu_contiguous(h, "add_in_place", "h");
-  check_cpu_contiguous(a, "add_in_place", "a");
+  check_contiguous(h, "add_in_place", "h");
+  check_contiguous(a, "add_in_place", "a");
+  check_same_device(h, a, "add_in_place", "a");
   MOEKIT_CHECK(h.shape() == a.shape() && h.dtype() == a.dtype(), "add_in_place: ", h.describe(), " and ",
                a.describe(), " differ");
+  if (h.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    cuda::add_in_place(h.data(), a.data(), h.numel(), h.dtype(), kStream);
+    return;
+#else
+    no_cuda("add_in_place");
+#endif
+  }
   visit_float_dtype(h.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* hs = h.data_as<T>();
@@ -161,7 +264,15 @@ void add_in_place(Tensor& h, const Tensor& a) {
 }
 
 void clamp_in_place(Tensor& x, float limit) {
-  check_cpu_contiguous(x, "clamp_in_place", "x");
+  check_contiguous(x, "clamp_in_place", "x");
+  if (x.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    cuda::clamp_in_place(x.data(), x.numel(), limit, x.dtype(), kStream);
+    return;
+#else
+    no_cuda("clamp_in_place");
+#endif
+  }
   visit_float_dtype(x.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     T* xs = x.data_as<T>();
@@ -171,19 +282,152 @@ void clamp_in_place(Tensor& x, float limit) {
 }
 
 Tensor columns(const Tensor& x, int64_t begin, int64_t end) {
-  check_cpu_contiguous(x, "columns", "x");
+  check_contiguous(x, "columns", "x");
   MOEKIT_CHECK(x.dim() == 2 && 0 <= begin && begin <= end && end <= x.size(1), "columns: [", begin, ", ", end,
                ") of ", x.describe());
+  if (x.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    Tensor out = Tensor::empty({x.size(0), end - begin}, x.dtype(), x.device());
+    cuda::copy_columns(x.data(), x.size(0), x.size(1), begin, end, out.data(), end - begin, 0, x.dtype(), kStream);
+    return out;
+#else
+    no_cuda("columns");
+#endif
+  }
   return x.slice(1, begin, end).contiguous();
+}
+
+void copy_columns(const Tensor& src, int64_t begin, int64_t end, Tensor& dst, int64_t dst_begin) {
+  check_contiguous(src, "copy_columns", "src");
+  check_contiguous(dst, "copy_columns", "dst");
+  check_same_device(dst, src, "copy_columns", "src");
+  MOEKIT_CHECK(src.dim() == 2 && dst.dim() == 2 && src.size(0) == dst.size(0) && src.dtype() == dst.dtype() &&
+                   0 <= begin && begin <= end && end <= src.size(1) && dst_begin >= 0 &&
+                   dst_begin + end - begin <= dst.size(1),
+               "copy_columns: [", begin, ", ", end, ") of ", src.describe(), " to column ", dst_begin, " of ",
+               dst.describe());
+  if (dst.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    cuda::copy_columns(src.data(), src.size(0), src.size(1), begin, end, dst.data(), dst.size(1), dst_begin,
+                       dst.dtype(), kStream);
+    return;
+#else
+    no_cuda("copy_columns");
+#endif
+  }
+  const std::size_t es = dtype_size(src.dtype());
+  for (int64_t r = 0; r < src.size(0); ++r)
+    std::memcpy(static_cast<unsigned char*>(dst.data()) + static_cast<std::size_t>(r * dst.size(1) + dst_begin) * es,
+                static_cast<const unsigned char*>(src.data()) + static_cast<std::size_t>(r * src.size(1) + begin) * es,
+                static_cast<std::size_t>(end - begin) * es);
+}
+
+void write_rows(Tensor& dst, int64_t row, const Tensor& src) {
+  check_contiguous(dst, "write_rows", "dst");
+  check_contiguous(src, "write_rows", "src");
+  check_same_device(dst, src, "write_rows", "src");
+  MOEKIT_CHECK(dst.dim() == 2 && src.dim() == 2 && src.size(1) == dst.size(1) && dst.dtype() == src.dtype() &&
+                   row >= 0 && row + src.size(0) <= dst.size(0),
+               "write_rows: ", src.describe(), " at row ", row, " of ", dst.describe());
+  if (dst.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    const int64_t n = src.numel();
+    // One row of n elements, written at element row * C of dst.
+    cuda::copy_columns(src.data(), 1, n, 0, n, dst.data(), dst.numel(), row * dst.size(1), dst.dtype(), kStream);
+    return;
+#else
+    no_cuda("write_rows");
+#endif
+  }
+  std::memcpy(static_cast<unsigned char*>(dst.data()) + static_cast<std::size_t>(row * dst.size(1)) *
+                                                              dtype_size(dst.dtype()),
+              src.data(), src.nbytes());
+}
+
+Tensor convert(const Tensor& x, DType dtype) {
+  if (x.device().is_cpu()) return x.to(dtype);
+#if MOEKIT_HAS_CUDA
+  check_contiguous(x, "convert", "x");
+  if (x.dtype() == dtype) return x;
+  MOEKIT_CHECK(x.dtype() == DType::f32 || dtype == DType::f32, "convert on CUDA: ", dtype_name(x.dtype()), " -> ",
+               dtype_name(dtype), " (one side must be f32)");
+  Tensor out = Tensor::empty(x.shape(), dtype, x.device());
+  if (x.dtype() == DType::f32) {
+    cuda::float_to_dtype(x.data_as<float>(), x.numel(), dtype, out.data(), kStream);
+  } else {
+    cuda::dtype_to_float(x.data(), x.numel(), x.dtype(), out.data_as<float>(), kStream);
+  }
+  return out;
+#else
+  no_cuda("convert");
+#endif
+}
+
+RouterOutput route_on_device(const Tensor& logits, const RouterConfig& config, const Tensor& correction_bias) {
+  MOEKIT_CHECK(logits.device().is_cuda() && logits.dtype() == DType::f32 && logits.dim() == 2 &&
+                   logits.size(1) == config.num_experts,
+               "route_on_device: logits must be [T, ", config.num_experts, "] f32 on a GPU, got ", logits.describe());
+#if MOEKIT_HAS_CUDA
+  const int64_t T = logits.size(0), K = config.top_k;
+  RouterOutput out{Tensor::empty({T, K}, DType::i64, logits.device()), Tensor::empty({T, K}, DType::f32, logits.device())};
+  cuda::RouterArgs a;
+  a.kind = config.kind == RouterKind::softmax_topk ? 0 : config.kind == RouterKind::topk_softmax ? 1 : 2;
+  a.tokens = T;
+  a.experts = config.num_experts;
+  a.top_k = K;
+  a.n_group = config.n_group;
+  a.topk_group = config.topk_group;
+  a.norm_topk_prob = config.norm_topk_prob;
+  a.routed_scaling_factor = config.routed_scaling_factor;
+  a.logits = logits.data_as<float>();
+  if (config.kind == RouterKind::deepseek_v3) {
+    MOEKIT_CHECK(correction_bias.defined() && correction_bias.device() == logits.device() &&
+                     correction_bias.dtype() == DType::f32 && correction_bias.numel() == config.num_experts,
+                 "route_on_device: deepseek_v3 needs correction_bias [E] f32 on the logits' GPU");
+    a.correction_bias = correction_bias.data_as<float>();
+  }
+  a.ids = out.top_k_index.data_as<int64_t>();
+  a.weights = out.top_k_weights.data_as<float>();
+  if (T > 0) cuda::route_forward(a, kStream);
+  return out;
+#else
+  (void)correction_bias;
+  no_cuda("route_on_device");
+#endif
+}
+
+Tensor sigmoid_gate(const Tensor& logits_f32, DType dtype) {
+#if MOEKIT_HAS_CUDA
+  MOEKIT_CHECK(logits_f32.device().is_cuda() && logits_f32.dtype() == DType::f32, "sigmoid_gate: expected f32 ",
+               "logits on a GPU, got ", logits_f32.describe());
+  Tensor out = Tensor::empty({logits_f32.numel()}, DType::f32, logits_f32.device());
+  cuda::sigmoid_gate_forward(logits_f32.data_as<float>(), logits_f32.numel(), dtype, out.data_as<float>(), kStream);
+  return out;
+#else
+  (void)logits_f32;
+  (void)dtype;
+  no_cuda("sigmoid_gate");
+#endif
 }
 
 void apply_rotary(Tensor& x, int64_t heads, int64_t head_stride, int64_t offset, const RotaryTables& rope,
                   int64_t positions_begin) {
-  check_cpu_contiguous(x, "apply_rotary", "x");
+  check_contiguous(x, "apply_rotary", "x");
   const int64_t half = static_cast<int64_t>(rope.inv_freq.size()), T = x.size(0);
   MOEKIT_CHECK(x.dim() == 2 && x.size(1) == heads * head_stride && offset + 2 * half <= head_stride,
                "apply_rotary: x ", x.describe(), " does not hold ", heads, " heads of ", head_stride,
                " with ", 2 * half, " rotary values at ", offset);
+  if (x.device().is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    MOEKIT_CHECK(rope.inv_freq_device.defined() && rope.inv_freq_device.device() == x.device(),
+                 "apply_rotary: the rotary tables have no copy on ", device_name(x.device()));
+    cuda::rotary_forward(x.data(), T, heads, head_stride, offset, half, rope.inv_freq_device.data_as<float>(),
+                         rope.attention_factor, rope.interleaved, positions_begin, x.dtype(), kStream);
+    return;
+#else
+    no_cuda("apply_rotary");
+#endif
+  }
   visit_float_dtype(x.dtype(), [&](auto tag) {
     using T_ = typename decltype(tag)::type;
     T_* xs = x.data_as<T_>();
@@ -255,6 +499,47 @@ Tensor attention(const float* q, const float* k, const float* v, const Attention
     }
   });
   return out;
+}
+
+Tensor attention(const Tensor& q, const Tensor& k, int64_t k_row, int64_t k_head, const Tensor& v, int64_t v_row,
+                 int64_t v_head, const AttentionShape& s) {
+  check_contiguous(q, "attention", "q");
+  check_same_device(q, k, "attention", "k");
+  check_same_device(q, v, "attention", "v");
+  MOEKIT_CHECK(q.device().is_cuda(), "attention: the tensor form runs on CUDA (the CPU takes float rows)");
+  MOEKIT_CHECK(s.key_heads > 0 && s.query_heads % s.key_heads == 0, "attention: ", s.query_heads,
+               " query heads are not a multiple of ", s.key_heads, " key heads");
+#if MOEKIT_HAS_CUDA
+  Tensor out = Tensor::empty({s.tokens, s.query_heads * s.value_dim}, q.dtype(), q.device());
+  cuda::AttentionArgs a;
+  a.tokens = s.tokens;
+  a.past = s.past;
+  a.query_heads = s.query_heads;
+  a.key_heads = s.key_heads;
+  a.key_dim = s.key_dim;
+  a.value_dim = s.value_dim;
+  a.q_row = s.query_heads * s.key_dim;
+  a.k_row = k_row;
+  a.k_head = k_head;
+  a.v_row = v_row;
+  a.v_head = v_head;
+  a.scale = s.scale;
+  a.sliding_window = s.sliding_window;
+  a.sinks = s.sinks;
+  a.dtype = q.dtype();
+  a.q = q.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.out = out.data();
+  cuda::attention_forward(a, kStream);
+  return out;
+#else
+  (void)k_row;
+  (void)k_head;
+  (void)v_row;
+  (void)v_head;
+  no_cuda("attention");
+#endif
 }
 
 }  // namespace moekit::model_ops

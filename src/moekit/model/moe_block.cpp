@@ -9,6 +9,7 @@
 
 #include "moekit/dtype.h"
 #include "moekit/error.h"
+#include "moekit/model/model_ops.h"
 
 namespace moekit {
 namespace {
@@ -49,11 +50,12 @@ float round_to(float v, DType dtype) {
   });
 }
 
-void check_shape(const Tensor& t, const char* name, const Shape& expected) {
+// Shape, dtype and device (that of the hidden states) of one input.
+void check_shape(const Tensor& t, const char* name, const Shape& expected, Device device) {
   MOEKIT_CHECK(t.shape() == expected, "moe_block_forward: ", name, " has shape ", shape_string(t.shape()),
                ", expected ", shape_string(expected));
-  MOEKIT_CHECK(t.device().is_cpu(), "moe_block_forward: ", name, " is on ", device_name(t.device()),
-               ", expected the CPU");
+  MOEKIT_CHECK(t.device() == device, "moe_block_forward: ", name, " is on ", device_name(t.device()),
+               ", expected ", device_name(device), " (where the hidden states are)");
   MOEKIT_CHECK(is_floating(t.dtype()), "moe_block_forward: ", name, " holds ", dtype_name(t.dtype()),
                ", expected f32, f16 or bf16");
 }
@@ -65,9 +67,10 @@ Tensor one_expert_forward(const Tensor& hidden, const Tensor& gate_proj, const T
                           const Tensor& gate_weight, Activation activation, std::string_view backend,
                           const std::string& role) {
   const int64_t T = hidden.size(0), H = hidden.size(1), Is = gate_proj.size(0);
-  check_shape(gate_proj, (role + "gate_proj").c_str(), {Is, H});
-  check_shape(up_proj, (role + "up_proj").c_str(), {Is, H});
-  check_shape(down_proj, (role + "down_proj").c_str(), {H, Is});
+  const Device device = hidden.device();
+  check_shape(gate_proj, (role + "gate_proj").c_str(), {Is, H}, device);
+  check_shape(up_proj, (role + "up_proj").c_str(), {Is, H}, device);
+  check_shape(down_proj, (role + "down_proj").c_str(), {H, Is}, device);
   MOEKIT_CHECK(up_proj.dtype() == gate_proj.dtype(), "moe_block_forward: ", role, "up_proj holds ",
                dtype_name(up_proj.dtype()), ", ", role, "gate_proj ", dtype_name(gate_proj.dtype()),
                ": they must match");
@@ -82,21 +85,30 @@ Tensor one_expert_forward(const Tensor& hidden, const Tensor& gate_proj, const T
                           std::to_string(reinterpret_cast<uintptr_t>(up_proj.storage().get())) + "/" +
                           std::to_string(up_proj.storage_offset_bytes());
   const auto fused = gate_proj.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-    Tensor gate_up = Tensor::empty({1, 2 * Is, H}, gate_proj.dtype());
-    const Tensor gate = gate_proj.contiguous(), up = up_proj.contiguous();
-    auto* dst = static_cast<unsigned char*>(gate_up.data());
-    std::memcpy(dst, gate.data(), gate.nbytes());
-    std::memcpy(dst + gate.nbytes(), up.data(), up.nbytes());
-    return std::make_shared<Tensor>(std::move(gate_up));
+    Tensor gate_up = Tensor::empty({2 * Is, H}, gate_proj.dtype(), device);
+    model_ops::write_rows(gate_up, 0, gate_proj.is_contiguous() ? gate_proj : gate_proj.contiguous());
+    model_ops::write_rows(gate_up, Is, up_proj.is_contiguous() ? up_proj : up_proj.contiguous());
+    return std::make_shared<Tensor>(gate_up.reshape({1, 2 * Is, H}));
   });
   p.gate_up_proj = *std::static_pointer_cast<Tensor>(fused);
   p.down_proj = (down_proj.is_contiguous() ? down_proj : down_proj.contiguous()).reshape({1, H, Is});
 
-  p.top_k_index = Tensor::zeros({T, 1}, DType::i64);
+  p.top_k_index = Tensor::zeros({T, 1}, DType::i64, device);
+  if (device.is_cuda()) {
+    if (gate_weight.defined()) {
+      check_shape(gate_weight, "shared_expert_gate", {1, H}, device);
+      p.top_k_weights = model_ops::sigmoid_gate(model_ops::linear_f32(hidden, gate_weight), hidden.dtype()).reshape({T, 1});
+    } else {
+      Tensor ones = Tensor::empty({T, 1}, DType::f32);
+      std::fill(ones.data_as<float>(), ones.data_as<float>() + T, 1.0f);
+      p.top_k_weights = ones.to(device);
+    }
+    return experts_forward(p, backend);
+  }
   p.top_k_weights = Tensor::empty({T, 1}, DType::f32);
   float* weights = p.top_k_weights.data_as<float>();
   if (gate_weight.defined()) {
-    check_shape(gate_weight, "shared_expert_gate", {1, H});
+    check_shape(gate_weight, "shared_expert_gate", {1, H}, device);
     // Qwen2-MoE: sigmoid(F.linear(x, gate)) in the activation dtype.
     const Tensor logit = project(contiguous_f32(hidden), contiguous_f32(gate_weight), Tensor());
     const float* ls = logit.data_as<float>();
@@ -117,31 +129,40 @@ Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const R
   MOEKIT_CHECK(hidden.defined() && hidden.dim() == 2, "moe_block_forward: hidden must be [T, H], got ",
                hidden.defined() ? hidden.describe() : std::string("an undefined tensor"));
   const int64_t T = hidden.size(0), H = hidden.size(1), E = router.num_experts;
-  check_shape(hidden, "hidden", {T, H});
+  const Device device = hidden.device();
+  check_shape(hidden, "hidden", {T, H}, device);
   MOEKIT_CHECK(w.router_weight.defined(), "moe_block_forward: router_weight is undefined");
-  check_shape(w.router_weight, "router_weight", {E, H});
-  if (w.router_bias.defined()) check_shape(w.router_bias, "router_bias", {E});
+  check_shape(w.router_weight, "router_weight", {E, H}, device);
+  if (w.router_bias.defined()) check_shape(w.router_bias, "router_bias", {E}, device);
   const bool shared = w.shared_gate_proj.defined();
   MOEKIT_CHECK(shared == w.shared_up_proj.defined() && shared == w.shared_down_proj.defined(),
                "moe_block_forward: shared_gate_proj, shared_up_proj and shared_down_proj must be all defined "
                "or all undefined");
   MOEKIT_CHECK(shared || !w.shared_expert_gate.defined(),
                "moe_block_forward: shared_expert_gate is defined but there is no shared expert");
-  if (T == 0) return Tensor::empty({0, H}, hidden.dtype());
+  if (T == 0) return Tensor::empty({0, H}, hidden.dtype(), device);
 
   const Tensor x = hidden.is_contiguous() ? hidden : hidden.contiguous();
-  const Tensor x32 = contiguous_f32(x);
-  const Tensor bias32 = w.router_bias.defined() ? contiguous_f32(w.router_bias) : Tensor();
-  Tensor logits = project(x32, contiguous_f32(w.router_weight), bias32);
   // transformers: Qwen / GPT-OSS run F.linear in the activation dtype; DeepSeek-V3 casts to float32 first.
   const bool activation_dtype_gate = router.kind != RouterKind::deepseek_v3 && x.dtype() != DType::f32;
-  if (activation_dtype_gate) logits = logits.to(x.dtype());
-  RouterOutput routed = route(logits, router, w.correction_bias);
+  RouterOutput routed;
+  if (device.is_cuda()) {
+    const Tensor logits = router.kind == RouterKind::deepseek_v3
+                              ? model_ops::linear_f32(x, w.router_weight)
+                              : model_ops::convert(model_ops::linear(x, w.router_weight, w.router_bias), DType::f32);
+    routed = model_ops::route_on_device(logits, router, w.correction_bias);
+  } else {
+    const Tensor bias32 = w.router_bias.defined() ? contiguous_f32(w.router_bias) : Tensor();
+    Tensor logits = project(contiguous_f32(x), contiguous_f32(w.router_weight), bias32);
+    if (activation_dtype_gate) logits = logits.to(x.dtype());
+    routed = route(logits, router, w.correction_bias);
+  }
 
   ExpertsProblem p;
   p.hidden_states = x;
   p.top_k_index = routed.top_k_index;
-  p.top_k_weights = activation_dtype_gate ? routed.top_k_weights.to(x.dtype()) : routed.top_k_weights;
+  p.top_k_weights =
+      activation_dtype_gate ? model_ops::convert(routed.top_k_weights, x.dtype()) : routed.top_k_weights;
   p.gate_up_proj = w.experts.gate_up_proj;
   p.down_proj = w.experts.down_proj;
   p.gate_up_proj_bias = w.experts.gate_up_proj_bias;
@@ -152,13 +173,7 @@ Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const R
 
   const Tensor shared_out = one_expert_forward(x, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj,
                                               w.shared_expert_gate, experts_config.activation, backend, "shared_");
-  visit_float_dtype(out.dtype(), [&](auto tag) {
-    using S = typename decltype(tag)::type;
-    S* o = out.data_as<S>();
-    const S* s = shared_out.data_as<S>();
-    const int64_t n = out.numel();
-    for (int64_t i = 0; i < n; ++i) o[i] = from_float<S>(to_float(o[i]) + to_float(s[i]));
-  });
+  model_ops::add_in_place(out, shared_out);  // in float, rounded once
   return out;
 }
 
@@ -166,8 +181,8 @@ Tensor dense_mlp_forward(const Tensor& hidden, const Tensor& gate_proj, const Te
                          Activation activation, std::string_view backend) {
   MOEKIT_CHECK(hidden.defined() && hidden.dim() == 2, "dense_mlp_forward: hidden must be [T, H], got ",
                hidden.defined() ? hidden.describe() : std::string("an undefined tensor"));
-  check_shape(hidden, "hidden", hidden.shape());
-  if (hidden.size(0) == 0) return Tensor::empty({0, hidden.size(1)}, hidden.dtype());
+  check_shape(hidden, "hidden", hidden.shape(), hidden.device());
+  if (hidden.size(0) == 0) return Tensor::empty({0, hidden.size(1)}, hidden.dtype(), hidden.device());
   const Tensor x = hidden.is_contiguous() ? hidden : hidden.contiguous();
   return one_expert_forward(x, gate_proj, up_proj, down_proj, Tensor(), activation, backend, "mlp.");
 }
