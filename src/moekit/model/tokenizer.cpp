@@ -197,7 +197,7 @@ Tokenizer::Impl::Impl(const json& config, const std::string& origin_name)
       vocab_size = std::max<int64_t>(vocab_size, added_token.id + 1);
       added_token.text = added_token.content;
       if (added_token.normalized) {
-        if (normalizer) normalizer->normalize(added_token.text);
+        if (normalizer) normalizer->apply(added_token.text);
         normalized_matcher.add(added_token.text, added.size());
       } else {
         original_matcher.add(added_token.content, added.size());
@@ -211,7 +211,7 @@ Tokenizer::Impl::Impl(const json& config, const std::string& origin_name)
 void Tokenizer::Impl::check_post_processor() const {
   if (!post_processor) return;
   std::vector<int32_t> ids;  // with no input ids, the post-processor's output is its own special tokens
-  post_processor->process(ids);
+  post_processor->apply(ids);
   for (const int32_t id : ids) token_of(id);
 }
 
@@ -306,10 +306,10 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
       pieces.push_back(std::move(piece));
       continue;
     }
-    if (impl.normalizer) impl.normalizer->normalize(piece.text);
+    if (impl.normalizer) impl.normalizer->apply(piece.text);
     impl.split_added(piece.text, piece.at_start, impl.normalized_matcher, pieces);
   }
-  if (impl.pre_tokenizer) impl.pre_tokenizer->pre_tokenize(pieces);
+  if (impl.pre_tokenizer) impl.pre_tokenizer->apply(pieces);
 
   std::vector<int32_t> ids;
   ids.reserve(text.size() / 3 + 8);
@@ -321,7 +321,7 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
       impl.model.tokenize(piece.text, cache, ids);
     }
   }
-  if (add_special_tokens && impl.post_processor) impl.post_processor->process(ids);
+  if (add_special_tokens && impl.post_processor) impl.post_processor->apply(ids);
   return ids;
 }
 
@@ -340,7 +340,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
     for (std::size_t i = 0; i < tokens.size(); ++i) text += (i > 0 ? " " : "") + tokens[i];
     return text;
   }
-  impl.decoder->decode_chain(tokens);
+  impl.decoder->apply(tokens);
   std::string text;
   for (const std::string& token : tokens) text += token;
   return text;

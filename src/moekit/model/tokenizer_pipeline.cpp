@@ -95,17 +95,24 @@ std::unique_ptr<const T> make_component(const json& config, std::string_view kin
   MOEKIT_FAIL("tokenizer.json: ", kind, " type '", type, "' is not supported (supported: ", supported, ")");
 }
 
-// The components of a Sequence (under key), none of them null.
-template <typename T>
-std::vector<std::unique_ptr<const T>> make_sequence(const JsonFields& fields, std::string_view key,
-                                                    std::unique_ptr<const T> (*make)(const json&)) {
-  std::vector<std::unique_ptr<const T>> parts;
-  for (const json& part : fields.array(key)) {
-    MOEKIT_CHECK(!part.is_null(), fields.where(), ": an element of '", key, "' is null");
-    parts.push_back(make(part));
+// A Sequence: the components listed under `key` (none null), applied in turn.
+template <typename Value>
+class Sequence final : public Component<Value> {
+ public:
+  using Make = std::unique_ptr<const Component<Value>> (*)(const json& config);
+  Sequence(const JsonFields& fields, std::string_view key, Make make) {
+    for (const json& part : fields.array(key)) {
+      MOEKIT_CHECK(!part.is_null(), fields.where(), ": an element of '", key, "' is null");
+      parts_.push_back(make(part));
+    }
   }
-  return parts;
-}
+  void apply(Value& value) const override {
+    for (const auto& part : parts_) part->apply(value);
+  }
+
+ private:
+  std::vector<std::unique_ptr<const Component<Value>>> parts_;
+};
 
 // ---------------------------------------------------------------------------------------------------------
 // Normalizers
@@ -113,7 +120,7 @@ std::vector<std::unique_ptr<const T>> make_sequence(const JsonFields& fields, st
 class UnicodeNormalizer final : public Normalizer {
  public:
   explicit UnicodeNormalizer(NormalForm form) : form_(form) {}
-  void normalize(std::string& text) const override { text = normalize_unicode(text, form_); }
+  void apply(std::string& text) const override { text = normalize_unicode(text, form_); }
 
  private:
   NormalForm form_;
@@ -128,7 +135,7 @@ class ReplaceNormalizer final : public Normalizer {
  public:
   explicit ReplaceNormalizer(const JsonFields& fields)
       : pattern_(fields.required("pattern"), fields.where()), content_(fields.string("content")) {}
-  void normalize(std::string& text) const override { text = replace_all(text, pattern_.find_all(text), content_); }
+  void apply(std::string& text) const override { text = replace_all(text, pattern_.find_all(text), content_); }
 
  private:
   Pattern pattern_;
@@ -138,24 +145,12 @@ class ReplaceNormalizer final : public Normalizer {
 class PrependNormalizer final : public Normalizer {
  public:
   explicit PrependNormalizer(const JsonFields& fields) : prepend_(fields.string("prepend")) {}
-  void normalize(std::string& text) const override {
+  void apply(std::string& text) const override {
     if (!text.empty()) text.insert(0, prepend_);
   }
 
  private:
   std::string prepend_;
-};
-
-class SequenceNormalizer final : public Normalizer {
- public:
-  explicit SequenceNormalizer(const JsonFields& fields)
-      : parts_(make_sequence(fields, "normalizers", make_normalizer)) {}
-  void normalize(std::string& text) const override {
-    for (const auto& part : parts_) part->normalize(text);
-  }
-
- private:
-  std::vector<std::unique_ptr<const Normalizer>> parts_;
 };
 
 template <typename T, typename Base>
@@ -170,7 +165,10 @@ constexpr std::array<Factory<Normalizer>, 7> kNormalizers{{
     {"NFKD", make_unicode_normalizer<NormalForm::nfkd>},
     {"Replace", make_from_fields<ReplaceNormalizer, Normalizer>},
     {"Prepend", make_from_fields<PrependNormalizer, Normalizer>},
-    {"Sequence", make_from_fields<SequenceNormalizer, Normalizer>},
+    {"Sequence",
+     [](const JsonFields& fields) -> std::unique_ptr<const Normalizer> {
+       return std::make_unique<Sequence<std::string>>(fields, "normalizers", make_normalizer);
+     }},
 }};
 
 // ---------------------------------------------------------------------------------------------------------
@@ -296,7 +294,7 @@ class ByteLevelPreTokenizer final : public PreTokenizer {
     if (fields.boolean("use_regex", true)) regex_.emplace(kGpt2Pattern, fields.where());
   }
 
-  void pre_tokenize(std::vector<Piece>& pieces) const override {
+  void apply(std::vector<Piece>& pieces) const override {
     split_pieces(pieces, [&](std::string& text, bool) {
       if (add_prefix_space_ && text.front() != ' ') text.insert(0, " ");
       if (!regex_) return std::vector<Range>{{0, text.size()}};
@@ -324,7 +322,7 @@ class SplitPreTokenizer final : public PreTokenizer {
         behavior_(parse_behavior(fields)),
         invert_(fields.boolean("invert", false)) {}
 
-  void pre_tokenize(std::vector<Piece>& pieces) const override {
+  void apply(std::vector<Piece>& pieces) const override {
     split_pieces(pieces, [&](std::string& text, bool) {
       return split_ranges(text.size(), pattern_.find_all(text), invert_, behavior_);
     });
@@ -358,7 +356,7 @@ class MetaspacePreTokenizer final : public PreTokenizer {
         scheme_(parse_prepend_scheme(fields)),
         split_(fields.boolean("split", true)) {}
 
-  void pre_tokenize(std::vector<Piece>& pieces) const override {
+  void apply(std::vector<Piece>& pieces) const override {
     split_pieces(pieces, [&](std::string& text, bool at_start) {
       std::vector<Regex::Match> spaces;
       for (std::size_t pos = text.find(' '); pos != std::string::npos; pos = text.find(' ', pos + 1))
@@ -382,23 +380,14 @@ class MetaspacePreTokenizer final : public PreTokenizer {
   bool split_;
 };
 
-class SequencePreTokenizer final : public PreTokenizer {
- public:
-  explicit SequencePreTokenizer(const JsonFields& fields)
-      : parts_(make_sequence(fields, "pretokenizers", make_pre_tokenizer)) {}
-  void pre_tokenize(std::vector<Piece>& pieces) const override {
-    for (const auto& part : parts_) part->pre_tokenize(pieces);
-  }
-
- private:
-  std::vector<std::unique_ptr<const PreTokenizer>> parts_;
-};
-
 constexpr std::array<Factory<PreTokenizer>, 4> kPreTokenizers{{
     {"ByteLevel", make_from_fields<ByteLevelPreTokenizer, PreTokenizer>},
     {"Split", make_from_fields<SplitPreTokenizer, PreTokenizer>},
     {"Metaspace", make_from_fields<MetaspacePreTokenizer, PreTokenizer>},
-    {"Sequence", make_from_fields<SequencePreTokenizer, PreTokenizer>},
+    {"Sequence",
+     [](const JsonFields& fields) -> std::unique_ptr<const PreTokenizer> {
+       return std::make_unique<Sequence<std::vector<Piece>>>(fields, "pretokenizers", make_pre_tokenizer);
+     }},
 }};
 
 // ---------------------------------------------------------------------------------------------------------
@@ -408,7 +397,8 @@ constexpr std::array<Factory<PreTokenizer>, 4> kPreTokenizers{{
 class TemplateProcessor final : public PostProcessor {
  public:
   explicit TemplateProcessor(const JsonFields& fields) {
-    const json& special_tokens = fields.has("special_tokens") ? fields.object("special_tokens") : json::object();
+    const json none = json::object();
+    const json& special_tokens = fields.has("special_tokens") ? fields.object("special_tokens") : none;
     int sequences = 0;
     for (const json& item : fields.array("single")) {
       MOEKIT_CHECK(item.is_object() && item.size() == 1 && item.begin().value().is_object(), fields.where(),
@@ -442,7 +432,7 @@ class TemplateProcessor final : public PostProcessor {
                  sequences, " times");
   }
 
-  void process(std::vector<int32_t>& ids) const override {
+  void apply(std::vector<int32_t>& ids) const override {
     std::vector<int32_t> out;
     out.reserve(ids.size() + parts_.size());
     for (const Part& part : parts_) {
@@ -464,25 +454,16 @@ class TemplateProcessor final : public PostProcessor {
 class ByteLevelProcessor final : public PostProcessor {
  public:
   explicit ByteLevelProcessor(const JsonFields&) {}
-  void process(std::vector<int32_t>&) const override {}
-};
-
-class SequenceProcessor final : public PostProcessor {
- public:
-  explicit SequenceProcessor(const JsonFields& fields)
-      : parts_(make_sequence(fields, "processors", make_post_processor)) {}
-  void process(std::vector<int32_t>& ids) const override {
-    for (const auto& part : parts_) part->process(ids);
-  }
-
- private:
-  std::vector<std::unique_ptr<const PostProcessor>> parts_;
+  void apply(std::vector<int32_t>&) const override {}
 };
 
 constexpr std::array<Factory<PostProcessor>, 3> kPostProcessors{{
     {"TemplateProcessing", make_from_fields<TemplateProcessor, PostProcessor>},
     {"ByteLevel", make_from_fields<ByteLevelProcessor, PostProcessor>},
-    {"Sequence", make_from_fields<SequenceProcessor, PostProcessor>},
+    {"Sequence",
+     [](const JsonFields& fields) -> std::unique_ptr<const PostProcessor> {
+       return std::make_unique<Sequence<std::vector<int32_t>>>(fields, "processors", make_post_processor);
+     }},
 }};
 
 // ---------------------------------------------------------------------------------------------------------
@@ -494,7 +475,7 @@ constexpr std::array<Factory<PostProcessor>, 3> kPostProcessors{{
 class ByteLevelDecoder final : public Decoder {
  public:
   explicit ByteLevelDecoder(const JsonFields&) {}
-  void decode_chain(std::vector<std::string>& tokens) const override {
+  void apply(std::vector<std::string>& tokens) const override {
     std::string bytes;
     std::string token_bytes;
     for (const std::string& token : tokens) {
@@ -516,7 +497,7 @@ class ReplaceDecoder final : public Decoder {
  public:
   explicit ReplaceDecoder(const JsonFields& fields)
       : pattern_(fields.required("pattern"), fields.where()), content_(fields.string("content")) {}
-  void decode_chain(std::vector<std::string>& tokens) const override {
+  void apply(std::vector<std::string>& tokens) const override {
     for (std::string& token : tokens) token = replace_all(token, pattern_.find_all(token), content_);
   }
 
@@ -530,7 +511,7 @@ class ReplaceDecoder final : public Decoder {
 class ByteFallbackDecoder final : public Decoder {
  public:
   explicit ByteFallbackDecoder(const JsonFields&) {}
-  void decode_chain(std::vector<std::string>& tokens) const override {
+  void apply(std::vector<std::string>& tokens) const override {
     std::vector<std::string> out;
     out.reserve(tokens.size());
     std::string run;
@@ -576,7 +557,7 @@ class ByteFallbackDecoder final : public Decoder {
 class FuseDecoder final : public Decoder {
  public:
   explicit FuseDecoder(const JsonFields&) {}
-  void decode_chain(std::vector<std::string>& tokens) const override {
+  void apply(std::vector<std::string>& tokens) const override {
     std::string text;
     for (const std::string& token : tokens) text += token;
     tokens.assign(1, std::move(text));
@@ -593,7 +574,7 @@ class StripDecoder final : public Decoder {
     MOEKIT_CHECK(start_ >= 0 && stop_ >= 0, fields.where(), ": start and stop must be >= 0, got ", start_, " and ",
                  stop_);
   }
-  void decode_chain(std::vector<std::string>& tokens) const override {
+  void apply(std::vector<std::string>& tokens) const override {
     for (std::string& token : tokens) {
       std::size_t begin = 0, end = token.size();
       for (int64_t i = 0; i < start_ && std::string_view(token).substr(begin).starts_with(content_); ++i)
@@ -619,7 +600,7 @@ class MetaspaceDecoder final : public Decoder {
  public:
   explicit MetaspaceDecoder(const JsonFields& fields)
       : replacement_(one_character(fields, "replacement", "\u2581")), scheme_(parse_prepend_scheme(fields)) {}
-  void decode_chain(std::vector<std::string>& tokens) const override {
+  void apply(std::vector<std::string>& tokens) const override {
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       std::vector<Regex::Match> marks;
       for (std::size_t pos = tokens[i].find(replacement_); pos != std::string::npos;
@@ -634,17 +615,6 @@ class MetaspaceDecoder final : public Decoder {
   PrependScheme scheme_;
 };
 
-class SequenceDecoder final : public Decoder {
- public:
-  explicit SequenceDecoder(const JsonFields& fields) : parts_(make_sequence(fields, "decoders", make_decoder)) {}
-  void decode_chain(std::vector<std::string>& tokens) const override {
-    for (const auto& part : parts_) part->decode_chain(tokens);
-  }
-
- private:
-  std::vector<std::unique_ptr<const Decoder>> parts_;
-};
-
 constexpr std::array<Factory<Decoder>, 7> kDecoders{{
     {"ByteLevel", make_from_fields<ByteLevelDecoder, Decoder>},
     {"Replace", make_from_fields<ReplaceDecoder, Decoder>},
@@ -652,7 +622,10 @@ constexpr std::array<Factory<Decoder>, 7> kDecoders{{
     {"Fuse", make_from_fields<FuseDecoder, Decoder>},
     {"Strip", make_from_fields<StripDecoder, Decoder>},
     {"Metaspace", make_from_fields<MetaspaceDecoder, Decoder>},
-    {"Sequence", make_from_fields<SequenceDecoder, Decoder>},
+    {"Sequence",
+     [](const JsonFields& fields) -> std::unique_ptr<const Decoder> {
+       return std::make_unique<Sequence<std::vector<std::string>>>(fields, "decoders", make_decoder);
+     }},
 }};
 
 }  // namespace

@@ -19,32 +19,23 @@ struct Piece {
   bool at_start = false;  // begins at offset 0 of the original text (Metaspace's prepend_scheme "first")
 };
 
-class Normalizer {
+// One step of the pipeline, applied in place to a Value. Every kind is one instantiation, so that one
+// Sequence serves all four.
+template <typename Value>
+class Component {
  public:
-  virtual ~Normalizer() = default;
-  virtual void normalize(std::string& text) const = 0;
+  virtual ~Component() = default;
+  virtual void apply(Value& value) const = 0;
 };
 
-class PreTokenizer {
- public:
-  virtual ~PreTokenizer() = default;
-  // Splits, and may rewrite, every piece that is not an added token; drops pieces left empty.
-  virtual void pre_tokenize(std::vector<Piece>& pieces) const = 0;
-};
-
-class PostProcessor {
- public:
-  virtual ~PostProcessor() = default;
-  // The ids of one sequence -> the ids with the special tokens add_special_tokens adds.
-  virtual void process(std::vector<int32_t>& ids) const = 0;
-};
-
-class Decoder {
- public:
-  virtual ~Decoder() = default;
-  // tokens -> tokens (decoders of a Sequence run one after the other); the text is their concatenation.
-  virtual void decode_chain(std::vector<std::string>& tokens) const = 0;
-};
+// Text -> normalized text.
+using Normalizer = Component<std::string>;
+// Splits, and may rewrite, every piece that is not an added token; drops pieces left empty.
+using PreTokenizer = Component<std::vector<Piece>>;
+// The ids of one sequence -> the ids with the special tokens add_special_tokens adds.
+using PostProcessor = Component<std::vector<int32_t>>;
+// Tokens -> tokens (the decoders of a Sequence run one after the other); the text is their concatenation.
+using Decoder = Component<std::vector<std::string>>;
 
 // Each returns nullptr for a JSON null and throws moekit::Error naming the component and its type for an
 // unsupported type or a bad field.

@@ -175,22 +175,13 @@ std::string normalize_unicode(std::string_view text, NormalForm form) {
   for (const char c : text) ascii = ascii && static_cast<unsigned char>(c) < 0x80;
   if (ascii) return std::string(text);
 
+  // ICU's instance of each NormalForm, in the enum's order.
+  using Instance = const icu::Normalizer2* (*)(UErrorCode&);
+  constexpr std::array<Instance, 4> kInstances = {&icu::Normalizer2::getNFCInstance, &icu::Normalizer2::getNFDInstance,
+                                                  &icu::Normalizer2::getNFKCInstance,
+                                                  &icu::Normalizer2::getNFKDInstance};
   UErrorCode status = U_ZERO_ERROR;
-  const icu::Normalizer2* normalizer = nullptr;
-  switch (form) {
-    case NormalForm::nfc:
-      normalizer = icu::Normalizer2::getNFCInstance(status);
-      break;
-    case NormalForm::nfd:
-      normalizer = icu::Normalizer2::getNFDInstance(status);
-      break;
-    case NormalForm::nfkc:
-      normalizer = icu::Normalizer2::getNFKCInstance(status);
-      break;
-    case NormalForm::nfkd:
-      normalizer = icu::Normalizer2::getNFKDInstance(status);
-      break;
-  }
+  const icu::Normalizer2* normalizer = kInstances[static_cast<std::size_t>(form)](status);
   MOEKIT_CHECK(U_SUCCESS(status), "tokenizer: ICU has no normaliser instance (", u_errorName(status), ")");
   // normalizeUTF8 works on UTF-8 directly (NFC and NFKC without a round trip through UTF-16).
   std::string out;
