@@ -181,14 +181,18 @@ def encode_cases(tok, texts):
 
 
 def decode_cases(tok, seed):
-    # Random id sequences: byte tokens out of order (invalid UTF-8), special tokens anywhere.
+    # Random id sequences: byte tokens out of order (invalid UTF-8), special tokens anywhere; and what the
+    # same tokenizer without its decoder makes of them.
     rng = random.Random(seed)
     n = tok.get_vocab_size(with_added_tokens=True)
+    bare = Tokenizer.from_str(tok.to_str())
+    bare.decoder = None
     cases = []
     for length in [1, 2, 3, 5, 8, 13, 21, 34]:
         ids = [rng.randrange(n) for _ in range(length)]
         cases.append({"ids": ids, "text": tok.decode(ids, skip_special_tokens=False),
-                      "text_skip_special": tok.decode(ids, skip_special_tokens=True)})
+                      "text_skip_special": tok.decode(ids, skip_special_tokens=True),
+                      "text_without_decoder": bare.decode(ids, skip_special_tokens=False)})
     return cases
 
 

@@ -81,6 +81,16 @@ TEST_P(TokenizerFixture, DecodesAsTheLibrary) {
   }
 }
 
+// Without a decoder the library joins the tokens with spaces.
+TEST_P(TokenizerFixture, DecodesWithoutADecoderAsTheLibrary) {
+  json config = read_json(kFixtures / GetParam() / "tokenizer.json");
+  config["decoder"] = nullptr;
+  const Tokenizer bare = Tokenizer::from_json(config.dump());
+  for (const json& c : fixture_["decode_cases"]) {
+    EXPECT_EQ(bare.decode(ids_of(c["ids"])), c["text_without_decoder"].get<std::string>()) << "ids " << c["ids"].dump();
+  }
+}
+
 // The library's DecodeStream returns None or a chunk per id; moekit's step returns "" or the same chunk,
 // every chunk is complete UTF-8, and with finish() they add up to the full decode.
 TEST_P(TokenizerFixture, StreamsAsTheLibrary) {
