@@ -55,36 +55,36 @@ BpeModel::BpeModel(const nlohmann::json& model) {
 
   const nlohmann::json& merges = fields.array("merges");
   merges_.reserve(merges.size());
-  const auto id_of = [&](const std::string& token, std::size_t rank, const std::string& merge) {
-    const auto it = vocab_.find(token);
-    MOEKIT_CHECK(it != vocab_.end(), fields.where(), ": merge ", rank, " (", merge, ") names the token '", token,
-                 "', which is not in the vocab");
-    return it->second;
-  };
+  std::string merged;
   for (std::size_t rank = 0; rank < merges.size(); ++rank) {
     const nlohmann::json& merge = merges[rank];
-    std::string left, right;
+    std::string_view left, right;
     if (merge.is_string()) {
       // The older form "left right": exactly one space, so neither side can hold one.
-      const std::string text = merge.get<std::string>();
+      const std::string& text = merge.get_ref<const std::string&>();
       const std::size_t space = text.find(' ');
       MOEKIT_CHECK(space != std::string::npos && text.find(' ', space + 1) == std::string::npos, fields.where(),
                    ": merge ", rank, " '", text, "' must be two tokens separated by one space");
-      left = text.substr(0, space);
-      right = text.substr(space + 1);
+      left = std::string_view(text).substr(0, space);
+      right = std::string_view(text).substr(space + 1);
     } else {
       MOEKIT_CHECK(merge.is_array() && merge.size() == 2 && merge[0].is_string() && merge[1].is_string(),
                    fields.where(), ": merge ", rank, " must be a string \"a b\" or a pair [\"a\", \"b\"], got ",
                    JsonFields::show(merge));
-      left = merge[0].get<std::string>();
-      right = merge[1].get<std::string>();
+      left = merge[0].get_ref<const std::string&>();
+      right = merge[1].get_ref<const std::string&>();
     }
-    const std::string shown = "'" + left + "' + '" + right + "'";
-    const int32_t left_id = id_of(left, rank, shown);
-    const int32_t right_id = id_of(right, rank, shown);
-    const int32_t merged_id = id_of(left + right, rank, shown);
+    merged.assign(left).append(right);
+    const auto id_of = [&](std::string_view token) {
+      const auto it = vocab_.find(token);
+      MOEKIT_CHECK(it != vocab_.end(), fields.where(), ": merge ", rank, " ('", left, "' + '", right,
+                   "') names the token '", token, "', which is not in the vocab");
+      return it->second;
+    };
+    const int32_t left_id = id_of(left);
+    const int32_t right_id = id_of(right);
     // A pair listed twice keeps its last rank, as tokenizers' map of merges does.
-    merges_.insert_or_assign(pair_key(left_id, right_id), Merge{static_cast<int32_t>(rank), merged_id});
+    merges_.insert_or_assign(pair_key(left_id, right_id), Merge{static_cast<int32_t>(rank), id_of(merged)});
   }
 
   byte_ids_.fill(-1);
