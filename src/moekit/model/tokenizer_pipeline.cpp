@@ -20,6 +20,15 @@ using json = nlohmann::json;
 // ---------------------------------------------------------------------------------------------------------
 // Shared pieces
 
+// Non-overlapping occurrences of a non-empty literal, left to right.
+std::vector<Regex::Match> find_literal(std::string_view text, std::string_view literal) {
+  std::vector<Regex::Match> matches;
+  for (std::size_t pos = text.find(literal); pos != std::string_view::npos;
+       pos = text.find(literal, pos + literal.size()))
+    matches.push_back({pos, pos + literal.size()});
+  return matches;
+}
+
 // A "pattern" field: {"String": literal} or {"Regex": Oniguruma pattern}.
 class Pattern {
  public:
@@ -40,13 +49,8 @@ class Pattern {
 
   std::vector<Regex::Match> find_all(std::string_view text) const {
     if (regex_) return regex_->find_all(text);
-    std::vector<Regex::Match> matches;
-    if (literal_.empty()) return matches;  // tokenizers: an empty string never matches
-    for (std::size_t pos = text.find(literal_); pos != std::string_view::npos; pos = text.find(literal_, pos)) {
-      matches.push_back({pos, pos + literal_.size()});
-      pos += literal_.size();
-    }
-    return matches;
+    if (literal_.empty()) return {};  // tokenizers: an empty string never matches
+    return find_literal(text, literal_);
   }
 
  private:
@@ -358,19 +362,12 @@ class MetaspacePreTokenizer final : public PreTokenizer {
 
   void apply(std::vector<Piece>& pieces) const override {
     split_pieces(pieces, [&](std::string& text, bool at_start) {
-      std::vector<Regex::Match> spaces;
-      for (std::size_t pos = text.find(' '); pos != std::string::npos; pos = text.find(' ', pos + 1))
-        spaces.push_back({pos, pos + 1});
-      text = replace_all(text, spaces, replacement_);
+      text = replace_all(text, find_literal(text, " "), replacement_);
       const bool prepend = scheme_ == PrependScheme::always || (scheme_ == PrependScheme::first && at_start);
       if (prepend && !text.starts_with(replacement_)) text.insert(0, replacement_);
       if (!split_) return std::vector<Range>{{0, text.size()}};
       // Each replacement character starts a new piece.
-      std::vector<Regex::Match> marks;
-      for (std::size_t pos = text.find(replacement_); pos != std::string::npos;
-           pos = text.find(replacement_, pos + replacement_.size()))
-        marks.push_back({pos, pos + replacement_.size()});
-      return split_ranges(text.size(), marks, false, SplitBehavior::merged_with_next);
+      return split_ranges(text.size(), find_literal(text, replacement_), false, SplitBehavior::merged_with_next);
     });
   }
 
@@ -602,11 +599,8 @@ class MetaspaceDecoder final : public Decoder {
       : replacement_(one_character(fields, "replacement", "\u2581")), scheme_(parse_prepend_scheme(fields)) {}
   void apply(std::vector<std::string>& tokens) const override {
     for (std::size_t i = 0; i < tokens.size(); ++i) {
-      std::vector<Regex::Match> marks;
-      for (std::size_t pos = tokens[i].find(replacement_); pos != std::string::npos;
-           pos = tokens[i].find(replacement_, pos + replacement_.size()))
-        marks.push_back({pos, pos + replacement_.size()});
-      tokens[i] = replace_all(tokens[i], marks, i == 0 && scheme_ != PrependScheme::never ? "" : " ");
+      tokens[i] = replace_all(tokens[i], find_literal(tokens[i], replacement_),
+                              i == 0 && scheme_ != PrependScheme::never ? "" : " ");
     }
   }
 
