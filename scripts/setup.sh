@@ -8,6 +8,8 @@ packages=(
   libdnnl-dev          # oneDNN: CPU GEMMs
   nlohmann-json3-dev   # JSON (safetensors headers, bench output)
   libcli11-dev         # command-line flags
+  libpcre2-dev         # regular expressions of the tokenizers' pre-tokenizers (\p{L}, lookahead)
+  libicu-dev           # Unicode normalisation (NFC) and character properties for the tokenizer
   libgtest-dev         # tests
   libbenchmark-dev     # micro-benchmarks
   libomp-dev           # OpenMP runtime for clang (the fuzzer build)
