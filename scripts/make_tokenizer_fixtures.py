@@ -10,6 +10,8 @@ tokenizer_config.json with what transformers' AutoTokenizer makes of the directo
 scripts/setup_reference_env.sh, which holds `tokenizers`.) The library is the yardstick only, never a
 dependency of moekit; every expected value in the fixtures comes from it.
 
+normalizers.json holds the case texts under the library's NFC, NFD, NFKC and NFKD normalizers.
+
 Tokenizers (each a directory with tokenizer.json and cases.json):
   qwen2        byte-level BPE as Qwen2's: NFC, Split(Qwen2's regex) + ByteLevel(use_regex=false), ByteLevel
                decoder and post-processor; <|endoftext|>, <|im_start|>, <|im_end|> special tokens after the
@@ -402,6 +404,22 @@ def split_mix():
     save("split_mix", tok, extra)
 
 
+def unicode_normalizers():
+    """normalizers.json: each case text under the library's NFC, NFD, NFKC and NFKD normalizers."""
+    forms = {"NFC": normalizers.NFC(), "NFD": normalizers.NFD(), "NFKC": normalizers.NFKC(),
+             "NFKD": normalizers.NFKD()}
+    # Beyond the case texts: canonical and compatibility equivalents, reordering of combining marks,
+    # Hangul syllables and jamo, singletons (Angstrom sign, Ohm sign), and characters NFC must not compose.
+    texts = COMMON_CASES + ["\u212b \u2126 \u00c5 \u0041\u030a", "\u1100\u1161\u11a8 \uac01", "e\u0323\u0302 \u1ec7",
+                            "a\u0301\u0323 a\u0323\u0301", "\u1e9b\u0323", "\u0958 \u2adc \ufb2c",
+                            "\u00bd \u2163 \u33a1 \u3250 \ufdfa", "\u0130\u0307 \u03d3 \u0344"]
+    fixture = {"library": "tokenizers " + tokenizers.__version__}
+    for name, normalizer in forms.items():
+        fixture[name] = [[text, normalizer.normalize_str(text)] for text in texts]
+    write_fixture(os.path.join(OUT, "normalizers.json"), fixture)
+    print(f"normalizers: {len(texts)} texts")
+
+
 if __name__ == "__main__":
-    for make in [qwen2, gpt2, llama, metaspace, llama3, split_mix]:
+    for make in [qwen2, gpt2, llama, metaspace, llama3, split_mix, unicode_normalizers]:
         make()

@@ -134,6 +134,23 @@ TEST_P(TokenizerFixture, VocabularyAsTheLibrary) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, TokenizerFixture, ::testing::ValuesIn(kTokenizers));
 
+// ICU's normal forms, as the library's NFC, NFD, NFKC and NFKD normalizers give them.
+TEST(TokenizerNormalizers, UnicodeNormalFormsAsTheLibrary) {
+  const json fixture = read_json(kFixtures / "normalizers.json");
+  const std::vector<std::pair<std::string, tokenization::NormalForm>> forms = {
+      {"NFC", tokenization::NormalForm::nfc},
+      {"NFD", tokenization::NormalForm::nfd},
+      {"NFKC", tokenization::NormalForm::nfkc},
+      {"NFKD", tokenization::NormalForm::nfkd}};
+  for (const auto& [name, form] : forms) {
+    ASSERT_GT(fixture[name].size(), 50u) << name;
+    for (const json& pair : fixture[name]) {
+      EXPECT_EQ(tokenization::normalize_unicode(pair[0].get<std::string>(), form), pair[1].get<std::string>())
+          << name << ", text " << shown(pair[0]);
+    }
+  }
+}
+
 // tokenizer_config.json next to tokenizer.json: its bos/eos tokens, and what transformers' AutoTokenizer
 // encodes from the same directory (its add_eos_token: true is ignored, as transformers 5 ignores it).
 TEST(TokenizerDirectory, ReadsTokenizerConfigAsTransformers) {

@@ -11,7 +11,10 @@
 //   pre_tokenizer   ByteLevel, Split (regex or string; every delimiter behaviour, invert), Metaspace, Sequence
 //   post_processor  TemplateProcessing (the single-sequence template), ByteLevel, Sequence
 //   decoder         ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace, Sequence
-// truncation and padding must be null (they would change a single encode's ids).
+// truncation and padding must be null (they would change a single encode's ids). Regexes are Oniguruma's, as
+// tokenizers compiles them; the few constructs PCRE2 would read differently (\w, \b, \h, nested classes, \S
+// inside a class) are refused. Added tokens must have the ids tokenizers gives them (the vocab's, else
+// numbered on from the vocab), since the library renumbers others.
 //
 // A Tokenizer is immutable after loading; copies share it, and every method may be called from several
 // threads at once. Errors are moekit::Error.
