@@ -105,3 +105,9 @@ add_cli_test(cli_forward_needs_tokens EXPECT failure PATTERNS "--tokens is requi
              ARGS forward --model ${fixture_models}/olmoe --output unused.safetensors)
 add_cli_test(cli_make_model_unknown_preset EXPECT failure PATTERNS "unknown preset 'huge'" "presets: tiny"
              ARGS make-model --preset huge --out ${CMAKE_CURRENT_BINARY_DIR}/unused_model)
+# The README's main job: the built-in model, written into the build tree rather than ~/.cache.
+add_cli_test(cli_generate_builtin EXPECT success
+             PATTERNS "writing the built-in model|model: .*builtin-tiny-v1" "qwen3_moe: 4 layers" "Hello, experts"
+                      "prefill: 15 tokens" "decode:  7 tokens" "stopped: max new tokens after 8 new tokens"
+             ARGS generate --prompt "Hello, experts!" --max-new-tokens 8 --ignore-eos)
+set_tests_properties(cli_generate_builtin PROPERTIES ENVIRONMENT "XDG_CACHE_HOME=${CMAKE_CURRENT_BINARY_DIR}/cache")
