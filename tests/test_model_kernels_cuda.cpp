@@ -128,10 +128,9 @@ TEST(ModelKernelsCuda, LinearMatchesCpuAtDecodeAndPrefillSizes) {
   SKIP_WITHOUT_CUDA();
   // T <= 8: the weight-streaming kernel (K % 8 == 0: 16-byte loads, else the scalar path);
   // T > 8: the tensor-core GEMM (16-bit, K % 8 == 0) or the CUDA-core one (f32, odd K).
-  const LinearCase cases[] = {{1, 4096, 1024, false}, {1, 2048, 37, true}, {2, 1000, 130, false},
-                              {3, 4095, 65, true},    {5, 512, 300, false}, {8, 2056, 513, true},
-                              {9, 256, 64, false},    {300, 512, 384, true}, {333, 1000, 515, false},
-                              {129, 77, 50, true}};
+  const LinearCase cases[] = {
+      {1, 4096, 1024, false}, {1, 2048, 37, true}, {2, 1000, 130, false}, {3, 4095, 65, true},     {5, 512, 300, false},
+      {8, 2056, 513, true},   {9, 256, 64, false}, {300, 512, 384, true}, {333, 1000, 515, false}, {129, 77, 50, true}};
   for (DType dtype : kDtypes)
     for (const LinearCase& c : cases) {
       SCOPED_TRACE(std::string(dtype_name(dtype)) + " T=" + std::to_string(c.T) + " K=" + std::to_string(c.K) +
@@ -150,8 +149,8 @@ TEST(ModelKernelsCuda, LinearMatchesCpuAtDecodeAndPrefillSizes) {
       Tensor out32 = poisoned({c.T, c.N}, DType::f32);
       cuda::linear_forward_f32(x_gpu.data(), w_gpu.data(), c.T, c.K, c.N, dtype, out32.data_as<float>(),
                                workspace.data(), nullptr);
-      EXPECT_TRUE(all_close(cpu(out32), model_ops::linear(x.to(DType::f32), w.to(DType::f32)),
-                            tolerance_of(DType::f32)));
+      EXPECT_TRUE(
+          all_close(cpu(out32), model_ops::linear(x.to(DType::f32), w.to(DType::f32)), tolerance_of(DType::f32)));
     }
 }
 
@@ -252,7 +251,8 @@ TEST(ModelKernelsCuda, SigmoidGateRoundsAsTheCpu) {
 std::vector<float> default_inv_freq(int64_t half, double base) {
   std::vector<float> f(static_cast<std::size_t>(half));
   for (int64_t i = 0; i < half; ++i)
-    f[static_cast<std::size_t>(i)] = static_cast<float>(1.0 / std::pow(base, 2.0 * static_cast<double>(i) / (2 * half)));
+    f[static_cast<std::size_t>(i)] =
+        static_cast<float>(1.0 / std::pow(base, 2.0 * static_cast<double>(i) / (2 * half)));
   return f;
 }
 
@@ -264,11 +264,11 @@ TEST(ModelKernelsCuda, RotaryMatchesCpu) {
     float attention_factor;
   };
   const Case cases[] = {
-      {5, 4, 64, 0, 32, 0, false, 1.0f},       // Llama-style halves
-      {3, 2, 128, 0, 64, 4000, false, 1.0f},   // far positions (large angles)
-      {4, 3, 192, 128, 32, 17, true, 1.2f},    // DeepSeek: rope part after the nope part, interleaved
-      {2, 5, 80, 8, 16, 9, false, 1.0f},       // partial rotary inside the head
-      {1, 2, 576, 0, 288, 123, true, 0.9f},    // half above 256 would be refused; 288 checks the bound
+      {5, 4, 64, 0, 32, 0, false, 1.0f},      // Llama-style halves
+      {3, 2, 128, 0, 64, 4000, false, 1.0f},  // far positions (large angles)
+      {4, 3, 192, 128, 32, 17, true, 1.2f},   // DeepSeek: rope part after the nope part, interleaved
+      {2, 5, 80, 8, 16, 9, false, 1.0f},      // partial rotary inside the head
+      {1, 2, 576, 0, 288, 123, true, 0.9f},   // half above 256 would be refused; 288 checks the bound
   };
   for (DType dtype : kDtypes)
     for (const Case& c : cases) {
@@ -290,9 +290,8 @@ TEST(ModelKernelsCuda, RotaryMatchesCpu) {
       Tensor x = random_tensor({c.tokens, c.heads * c.head_stride}, dtype, 80 + c.half);
       Tensor x_gpu = gpu(x);
       const Tensor inv_freq = gpu(test::tensor_of(rope.inv_freq, {c.half}));
-      cuda::rotary_forward(x_gpu.data(), c.tokens, c.heads, c.head_stride, c.offset, c.half,
-                           inv_freq.data_as<float>(), c.attention_factor, c.interleaved, c.positions_begin, dtype,
-                           nullptr);
+      cuda::rotary_forward(x_gpu.data(), c.tokens, c.heads, c.head_stride, c.offset, c.half, inv_freq.data_as<float>(),
+                           c.attention_factor, c.interleaved, c.positions_begin, dtype, nullptr);
       model_ops::apply_rotary(x, c.heads, c.head_stride, c.offset, rope, c.positions_begin);
       // cos/sin may differ in the last float bit (CUDA's cosf vs glibc's), which can move the rounding
       // of the 16-bit table by one unit: 1e-2 of the largest value covers it, and untouched columns
@@ -310,8 +309,7 @@ struct AttentionCase {
 // Runs one case with q in a row of extra width (a fused qkv projection's layout) and k, v interleaved
 // in one cache [S, Hk, dk + dv], against model_ops::attention on the same (rounded) values.
 void check_attention(const AttentionCase& c, DType dtype, uint64_t seed) {
-  const int64_t T = c.tokens, S = c.past + T, Hq = c.query_heads, Hk = c.key_heads, dk = c.key_dim,
-                dv = c.value_dim;
+  const int64_t T = c.tokens, S = c.past + T, Hq = c.query_heads, Hk = c.key_heads, dk = c.key_dim, dv = c.value_dim;
   const int64_t q_row = Hq * dk + 8, cache_head = dk + dv, cache_row = Hk * cache_head;
   const Tensor q = random_tensor({T, q_row}, dtype, seed);
   const Tensor cache = random_tensor({S, cache_row}, dtype, seed + 1);
@@ -320,7 +318,8 @@ void check_attention(const AttentionCase& c, DType dtype, uint64_t seed) {
   std::vector<float> q_dense(static_cast<std::size_t>(T * Hq * dk)), k_dense(static_cast<std::size_t>(S * Hk * dk)),
       v_dense(static_cast<std::size_t>(S * Hk * dv));
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < Hq * dk; ++i) q_dense[static_cast<std::size_t>(t * Hq * dk + i)] = qf[static_cast<std::size_t>(t * q_row + i)];
+    for (int64_t i = 0; i < Hq * dk; ++i)
+      q_dense[static_cast<std::size_t>(t * Hq * dk + i)] = qf[static_cast<std::size_t>(t * q_row + i)];
   for (int64_t j = 0; j < S; ++j)
     for (int64_t h = 0; h < Hk; ++h) {
       for (int64_t d = 0; d < dk; ++d)
@@ -383,10 +382,10 @@ TEST(ModelKernelsCuda, AttentionMatchesCpu) {
   };
   for (DType dtype : kDtypes)
     for (const AttentionCase& c : cases) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + " T=" + std::to_string(c.tokens) + " past=" +
-                   std::to_string(c.past) + " Hq=" + std::to_string(c.query_heads) + " Hk=" +
-                   std::to_string(c.key_heads) + " dk=" + std::to_string(c.key_dim) + " dv=" +
-                   std::to_string(c.value_dim) + " window=" + std::to_string(c.sliding_window) +
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " T=" + std::to_string(c.tokens) +
+                   " past=" + std::to_string(c.past) + " Hq=" + std::to_string(c.query_heads) +
+                   " Hk=" + std::to_string(c.key_heads) + " dk=" + std::to_string(c.key_dim) +
+                   " dv=" + std::to_string(c.value_dim) + " window=" + std::to_string(c.sliding_window) +
                    (c.sinks ? " sinks" : ""));
       check_attention(c, dtype, 90 + static_cast<uint64_t>(c.past));
     }
@@ -446,8 +445,8 @@ void check_router(const RouterCase& c, const std::vector<float>& logits, const s
   int64_t reported = 0;
   for (int64_t i = 0; i < c.tokens * c.top_k && reported < 5; ++i) {
     const bool id_ok = gi[i] == wi[i];
-    const bool weight_ok = (std::isnan(ww[i]) && std::isnan(gw[i])) ||
-                           std::fabs(gw[i] - ww[i]) <= 1e-6 * std::max(1.0f, std::fabs(ww[i]));
+    const bool weight_ok =
+        (std::isnan(ww[i]) && std::isnan(gw[i])) || std::fabs(gw[i] - ww[i]) <= 1e-6 * std::max(1.0f, std::fabs(ww[i]));
     if (!id_ok || !weight_ok) {
       ADD_FAILURE() << "token " << i / c.top_k << " slot " << i % c.top_k << ": got expert " << gi[i] << " weight "
                     << gw[i] << ", want expert " << wi[i] << " weight " << ww[i];
@@ -475,8 +474,9 @@ std::vector<float> separated_logits(const RouterCase& c, const std::vector<float
       for (int64_t e = 0; e < c.experts; ++e) {
         row[e] = uniform(rng);
         score[static_cast<std::size_t>(e)] =
-            c.kind == RouterKind::deepseek_v3 ? 1.0 / (1.0 + std::exp(-static_cast<double>(row[e]))) + bias[static_cast<std::size_t>(e)]
-                                              : row[e];
+            c.kind == RouterKind::deepseek_v3
+                ? 1.0 / (1.0 + std::exp(-static_cast<double>(row[e]))) + bias[static_cast<std::size_t>(e)]
+                : row[e];
       }
       bool ok = separated(score);
       if (ok && c.kind == RouterKind::deepseek_v3 && c.n_group > 1) {
@@ -520,8 +520,8 @@ TEST(ModelKernelsCuda, RoutersMatchCpu) {
   };
   uint64_t seed = 100;
   for (const RouterCase& c : cases) {
-    SCOPED_TRACE(std::string(router_kind_name(c.kind)) + " E=" + std::to_string(c.experts) + " K=" +
-                 std::to_string(c.top_k) + " n_group=" + std::to_string(c.n_group));
+    SCOPED_TRACE(std::string(router_kind_name(c.kind)) + " E=" + std::to_string(c.experts) +
+                 " K=" + std::to_string(c.top_k) + " n_group=" + std::to_string(c.n_group));
     const std::vector<float> bias = random_bias(c.experts, seed++);
     check_router(c, separated_logits(c, bias, seed++), bias);
   }
@@ -538,7 +538,8 @@ TEST(ModelKernelsCuda, RoutersBreakTiesAndRankNaNAsTheCpu) {
     logits[static_cast<std::size_t>(E + e)] = static_cast<float>((e * 7) % 4);
     logits[static_cast<std::size_t>(2 * E + e)] = static_cast<float>(e % 5) - 2.0f;
     logits[static_cast<std::size_t>(3 * E + e)] = static_cast<float>(e % 3);
-    logits[static_cast<std::size_t>(4 * E + e)] = e % 2 ? -std::numeric_limits<float>::infinity() : static_cast<float>(e % 6);
+    logits[static_cast<std::size_t>(4 * E + e)] =
+        e % 2 ? -std::numeric_limits<float>::infinity() : static_cast<float>(e % 6);
   }
   logits[static_cast<std::size_t>(2 * E + 40)] = std::numeric_limits<float>::quiet_NaN();
   logits[static_cast<std::size_t>(3 * E + 9)] = std::numeric_limits<float>::infinity();
@@ -546,10 +547,8 @@ TEST(ModelKernelsCuda, RoutersBreakTiesAndRankNaNAsTheCpu) {
   std::vector<float> bias(static_cast<std::size_t>(E));
   for (int64_t e = 0; e < E; ++e) bias[static_cast<std::size_t>(e)] = static_cast<float>((e / 8) % 2) * 0.25f;
   const RouterCase cases[] = {
-      {RouterKind::softmax_topk, 5, E, 6, 1, 1, false, 1.0f},
-      {RouterKind::softmax_topk, 5, E, 6, 1, 1, true, 1.0f},
-      {RouterKind::topk_softmax, 5, E, 6, 1, 1, false, 1.0f},
-      {RouterKind::deepseek_v3, 5, E, 6, 8, 3, true, 2.0f},
+      {RouterKind::softmax_topk, 5, E, 6, 1, 1, false, 1.0f}, {RouterKind::softmax_topk, 5, E, 6, 1, 1, true, 1.0f},
+      {RouterKind::topk_softmax, 5, E, 6, 1, 1, false, 1.0f}, {RouterKind::deepseek_v3, 5, E, 6, 8, 3, true, 2.0f},
       {RouterKind::deepseek_v3, 5, E, 6, 1, 1, false, 1.0f},
   };
   for (const RouterCase& c : cases) {

@@ -71,8 +71,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Copies with the widest unit that divides every byte offset and stride and both base pointers.
 void copy_rows(const void* src, const int32_t* ids, int64_t rows, int64_t src_stride_bytes, int64_t src_begin_bytes,
-               int64_t count_bytes, void* dst, int64_t dst_stride_bytes, int64_t dst_begin_bytes,
-               cudaStream_t stream) {
+               int64_t count_bytes, void* dst, int64_t dst_stride_bytes, int64_t dst_begin_bytes, cudaStream_t stream) {
   if (rows == 0 || count_bytes == 0) return;
   const auto all_divisible = [&](int64_t unit) {
     return reinterpret_cast<uintptr_t>(src) % unit == 0 && reinterpret_cast<uintptr_t>(dst) % unit == 0 &&
@@ -114,7 +113,8 @@ __global__ void __launch_bounds__(kThreads) clamp_kernel(T* __restrict__ x, int6
 }
 
 template <typename From, typename To>
-__global__ void __launch_bounds__(kThreads) convert_kernel(const From* __restrict__ src, int64_t n, To* __restrict__ dst) {
+__global__ void __launch_bounds__(kThreads)
+    convert_kernel(const From* __restrict__ src, int64_t n, To* __restrict__ dst) {
   for (int64_t i = grid_index(); i < n; i += grid_stride()) dst[i] = from_f<To>(to_f(src[i]));
 }
 
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kThreads)
 // ---- RMSNorm: one block of kThreads per row. ----
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight, int64_t dim, float eps, T* __restrict__ out) {
+__global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+                                                            int64_t dim, float eps, T* __restrict__ out) {
   __shared__ float scratch[kThreads / 32];
   const T* row = x + static_cast<int64_t>(blockIdx.x) * dim;
   T* o = out + static_cast<int64_t>(blockIdx.x) * dim;
@@ -760,10 +760,9 @@ void route_forward(const RouterArgs& a, cudaStream_t stream) {
     MOEKIT_CHECK(a.n_group >= 1 && a.experts % a.n_group == 0, "route_forward: n_group = ", a.n_group,
                  " must divide E = ", a.experts);
     MOEKIT_CHECK(a.n_group == 1 || a.experts / a.n_group >= 2, "route_forward: groups need at least 2 experts");
-    MOEKIT_CHECK(a.topk_group >= 1 && a.topk_group <= a.n_group &&
-                     a.top_k <= a.topk_group * (a.experts / a.n_group),
-                 "route_forward: topk_group = ", a.topk_group, " of ", a.n_group, " groups cannot hold top_k = ",
-                 a.top_k);
+    MOEKIT_CHECK(a.topk_group >= 1 && a.topk_group <= a.n_group && a.top_k <= a.topk_group * (a.experts / a.n_group),
+                 "route_forward: topk_group = ", a.topk_group, " of ", a.n_group,
+                 " groups cannot hold top_k = ", a.top_k);
     MOEKIT_CHECK(a.correction_bias != nullptr, "route_forward: deepseek_v3 needs correction_bias");
   }
   const RouterSmem layout{a.experts, a.kind == 2 ? a.n_group : 1, std::max(a.top_k, a.kind == 2 ? a.topk_group : 1)};
