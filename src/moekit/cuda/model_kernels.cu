@@ -31,6 +31,17 @@ __device__ __forceinline__ int64_t grid_stride() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
+// Element-wise entry points: checks n, then launch(tag, blocks) with tag naming the dtype's storage type.
+template <typename Launch>
+void for_elements(const char* op, int64_t n, DType dtype, Launch&& launch) {
+  MOEKIT_CHECK(n >= 0, op, ": negative size ", n);
+  if (n == 0) return;
+  visit_float_dtype(dtype, [&](auto tag) {
+    launch(tag, elementwise_blocks(n));
+    MOEKIT_CUDA_CHECK_LAUNCH();
+  });
+}
+
 // The sum of v over the block (every thread gets it); scratch holds one float per warp.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -686,22 +697,16 @@ void linear_forward_f32(const void* x, const void* weight, int64_t tokens, int64
 }
 
 void add_in_place(void* h, const void* a, int64_t n, DType dtype, cudaStream_t stream) {
-  MOEKIT_CHECK(n >= 0, "add_in_place: negative size");
-  if (n == 0) return;
-  visit_float_dtype(dtype, [&](auto tag) {
+  for_elements("add_in_place", n, dtype, [&](auto tag, unsigned blocks) {
     using T = typename decltype(tag)::type;
-    add_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(static_cast<T*>(h), static_cast<const T*>(a), n);
-    MOEKIT_CUDA_CHECK_LAUNCH();
+    add_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(h), static_cast<const T*>(a), n);
   });
 }
 
 void clamp_in_place(void* x, int64_t n, float limit, DType dtype, cudaStream_t stream) {
-  MOEKIT_CHECK(n >= 0, "clamp_in_place: negative size");
-  if (n == 0) return;
-  visit_float_dtype(dtype, [&](auto tag) {
+  for_elements("clamp_in_place", n, dtype, [&](auto tag, unsigned blocks) {
     using T = typename decltype(tag)::type;
-    clamp_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(static_cast<T*>(x), n, limit);
-    MOEKIT_CUDA_CHECK_LAUNCH();
+    clamp_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(x), n, limit);
   });
 }
 
@@ -777,32 +782,23 @@ void route_forward(const RouterArgs& a, cudaStream_t stream) {
 }
 
 void float_to_dtype(const float* src, int64_t n, DType dtype, void* dst, cudaStream_t stream) {
-  MOEKIT_CHECK(n >= 0, "float_to_dtype: negative size");
-  if (n == 0) return;
-  visit_float_dtype(dtype, [&](auto tag) {
+  for_elements("float_to_dtype", n, dtype, [&](auto tag, unsigned blocks) {
     using T = typename decltype(tag)::type;
-    convert_kernel<float, T><<<elementwise_blocks(n), kThreads, 0, stream>>>(src, n, static_cast<T*>(dst));
-    MOEKIT_CUDA_CHECK_LAUNCH();
+    convert_kernel<float, T><<<blocks, kThreads, 0, stream>>>(src, n, static_cast<T*>(dst));
   });
 }
 
 void dtype_to_float(const void* src, int64_t n, DType dtype, float* dst, cudaStream_t stream) {
-  MOEKIT_CHECK(n >= 0, "dtype_to_float: negative size");
-  if (n == 0) return;
-  visit_float_dtype(dtype, [&](auto tag) {
+  for_elements("dtype_to_float", n, dtype, [&](auto tag, unsigned blocks) {
     using T = typename decltype(tag)::type;
-    convert_kernel<T, float><<<elementwise_blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(src), n, dst);
-    MOEKIT_CUDA_CHECK_LAUNCH();
+    convert_kernel<T, float><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(src), n, dst);
   });
 }
 
 void sigmoid_gate_forward(const float* logits, int64_t tokens, DType dtype, float* weights, cudaStream_t stream) {
-  MOEKIT_CHECK(tokens >= 0, "sigmoid_gate_forward: negative size");
-  if (tokens == 0) return;
-  visit_float_dtype(dtype, [&](auto tag) {
+  for_elements("sigmoid_gate_forward", tokens, dtype, [&](auto tag, unsigned blocks) {
     using T = typename decltype(tag)::type;
-    sigmoid_gate_kernel<T><<<elementwise_blocks(tokens), kThreads, 0, stream>>>(logits, tokens, weights);
-    MOEKIT_CUDA_CHECK_LAUNCH();
+    sigmoid_gate_kernel<T><<<blocks, kThreads, 0, stream>>>(logits, tokens, weights);
   });
 }
 
