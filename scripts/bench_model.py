@@ -10,7 +10,8 @@ own layout), written once into --model-dir. For each experts backend, moekit run
 `moekit generate --prompt-tokens ... --max-new-tokens N --ignore-eos` and reports its own prefill and
 decode times; transformers loads the same directory with from_pretrained(dtype=bfloat16,
 experts_implementation=backend) and is timed the same way: prefill = one forward over the prompt,
-decode = (generate(N new tokens) - prefill) / (N - 1). Medians of --repeats runs. transformers is the
+decode = (generate(N new tokens) - prefill) / (N - 1). Medians of --repeats runs, each side after one
+untimed generation (moekit: --warmup 1), so one-time work (packing weights, first allocations) is out. transformers is the
 yardstick only, never a dependency of moekit.
 """
 import argparse
@@ -23,10 +24,10 @@ import sys
 import time
 
 
-def run_moekit(args, backend, prompt):
+def run_moekit(args, backend, prompt, decode_switch=True):
     command = [args.moekit, "generate", "--model", args.model_dir, "--prompt-tokens", ",".join(map(str, prompt)),
                "--max-new-tokens", str(args.new_tokens), "--experts-implementation", backend, "--raw",
-               "--ignore-eos", "--device", args.device]
+               "--ignore-eos", "--device", args.device, "--warmup", "1"] + ([] if decode_switch else ["--no-decode-switch"])
     prefill, decode = [], []
     for _ in range(args.repeats):
         done = subprocess.run(command, capture_output=True, text=True)
@@ -63,6 +64,9 @@ def run_transformers(args, backend, prompt):
     prefill, decode = [], []
     try:
         with torch.no_grad():
+            # Warm-up, as moekit's --warmup 1: one-time work stays out of the timings.
+            model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                           pad_token_id=0)
             for _ in range(args.repeats):
                 t_prefill = timed(lambda: model(ids))
                 t_generate = timed(lambda: model.generate(ids, max_new_tokens=args.new_tokens,
@@ -103,12 +107,20 @@ def main():
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, device {args.device}, "
           f"median of {args.repeats}", flush=True)
     rows = []
+    on_gpu = args.device.startswith("cuda")
     for backend in args.backends.split(","):
         ours = run_moekit(args, backend, prompt)
         theirs = (None, None, "skipped") if args.skip_transformers else run_transformers(args, backend, prompt)
-        rows.append({"backend": backend, "moekit_prefill": ours[0], "moekit_decode": ours[1], "moekit_error": ours[2],
+        label = backend + (" (decode switch)" if backend == "grouped_mm" and on_gpu else "")
+        rows.append({"backend": label, "moekit_prefill": ours[0], "moekit_decode": ours[1], "moekit_error": ours[2],
                      "hf_prefill": theirs[0], "hf_decode": theirs[1], "hf_error": theirs[2]})
         print(f"  {backend}: done", file=sys.stderr, flush=True)
+        if backend == "grouped_mm" and on_gpu:
+            # On a GPU moekit decodes grouped_mm models with batched_mm; this row keeps grouped_mm.
+            ours = run_moekit(args, backend, prompt, decode_switch=False)
+            rows.append({"backend": "grouped_mm (no decode switch)", "moekit_prefill": ours[0],
+                         "moekit_decode": ours[1], "moekit_error": ours[2], "hf_prefill": theirs[0],
+                         "hf_decode": theirs[1], "hf_error": theirs[2]})
 
     def cell(v):
         return f"{v:.1f}" if v is not None else "—"

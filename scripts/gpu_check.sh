@@ -2,12 +2,15 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|compare|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|compare|model|all]   (default all); results under $OUT if set.
+# model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
+# next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 out=${OUT:-gpu-results}
 mkdir -p "$out"
+[[ -d gpu-bundle/lib ]] || tar -C gpu-bundle -xJf gpu-bundle/lib.tar.xz  # see make_gpu_bundle.sh
 export LD_LIBRARY_PATH="$PWD/gpu-bundle/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 status=0
@@ -20,5 +23,10 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == compare || $what == all ]]; then
   PYTHONUNBUFFERED=1 python3 scripts/compare_transformers.py --moekit ./gpu-bundle/moekit --out "$out" ${COMPARE_ARGS:-} 2>&1 | tee "$out/compare.log"
+fi
+if [[ $what == model || $what == all ]]; then
+  ./gpu-bundle/moekit generate --device cuda --max-new-tokens 16 --ignore-eos 2>&1 | tee "$out/generate_cuda.log"
+  PYTHONUNBUFFERED=1 python3 scripts/bench_model.py --moekit ./gpu-bundle/moekit --device cuda ${MODEL_ARGS:-} \
+    --json "$out/bench_model_cuda.json" 2>&1 | grep -v "Loading weights" | tee "$out/bench_model_cuda.log"
 fi
 exit $status

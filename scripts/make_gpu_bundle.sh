@@ -8,5 +8,11 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEKIT_CUDA=ON -DMO
 cmake --build "$build" -j"$(nproc)"
 rm -rf gpu-bundle && mkdir -p gpu-bundle/lib
 cp "$build/moekit" "$build/tests/moekit_tests" gpu-bundle/
-for lib in libdnnl.so.2 libOpenCL.so.1; do cp -L "/lib/x86_64-linux-gnu/$lib" gpu-bundle/lib/; done
+# The shared libraries the GPU machine lacks, as ldd lists them (oneDNN, the OpenCL loader, ICU and
+# PCRE2 for the tokenizer), compressed: together they are larger than a call may carry.
+for lib in $(ldd "$build/moekit" "$build/tests/moekit_tests" | grep -oE '/[^ ]*lib(dnnl|OpenCL|icu[a-z]*|pcre2-8)\.so[^ ]*' | sort -u); do
+  cp -L "$lib" gpu-bundle/lib/
+done
+tar -C gpu-bundle -cf - lib | xz -T2 -6 > gpu-bundle/lib.tar.xz
+rm -rf gpu-bundle/lib
 du -sh gpu-bundle

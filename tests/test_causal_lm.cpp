@@ -177,6 +177,12 @@ TEST(CausalLMCuda, DecodePhaseSwitchesGroupedToBatched) {
   EXPECT_THROW(model.generate(e.prompt, failing), std::runtime_error);
   EXPECT_EQ(model.get_experts_implementation(), grouped);
 
+  // Switched off by the caller: grouped_mm decodes too.
+  GenerationConfig unswitched = g;
+  unswitched.on_token = nullptr;
+  unswitched.decode_phase_switch = false;
+  EXPECT_EQ(model.generate(e.prompt, unswitched).decode_backends, grouped);
+
   // eager is not switched.
   model.set_experts_implementation("eager");
   EXPECT_EQ(model.generate(e.prompt, g).decode_backends, (std::map<std::string, std::string>{{"", "eager"}}));

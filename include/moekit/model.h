@@ -39,6 +39,8 @@ struct GenerationConfig {
   float top_p = 1.0f;   // 1: off
   uint64_t seed = 0;    // sampling is reproducible for one seed
   std::vector<int32_t> stop_tokens;  // generation ends after producing one of these
+  // On a GPU, run the decode phase of grouped_mm backbones with batched_mm (false: keep grouped_mm).
+  bool decode_phase_switch = true;
   // Called with each new token as it is produced (streaming); may be empty.
   std::function<void(int32_t)> on_token;
 };

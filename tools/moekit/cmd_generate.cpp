@@ -31,6 +31,7 @@ struct GenerateOptions {
   GenerationConfig generation;
   bool raw = false;         // print token ids instead of text
   bool ignore_eos = false;  // no default stop token (benchmarks: always max_new_tokens)
+  int64_t warmup = 0;       // untimed generations first (benchmarks)
 };
 
 void run_generate(const GenerateOptions& o) {
@@ -69,15 +70,22 @@ void run_generate(const GenerateOptions& o) {
     }
     std::fflush(stdout);
   };
+  if (o.warmup > 0) {
+    // One-time work (packing expert weights on the CPU, the first allocations on a GPU) stays out of
+    // the timed run.
+    GenerationConfig quiet = g;
+    quiet.on_token = nullptr;
+    for (int64_t i = 0; i < o.warmup; ++i) model.generate(prompt, quiet);
+  }
   const GenerationResult r = model.generate(prompt, g);
   if (print_text) std::printf("%s", stream->finish().c_str());
   std::printf("\n");
 
   auto rate = [](int64_t tokens, double seconds) { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0; };
-  std::fprintf(stderr, "prefill: %lld tokens in %.3f s (%.1f tokens/s), experts %s\n",
+  std::fprintf(stderr, "prefill: %lld tokens in %.6f s (%.1f tokens/s), experts %s\n",
                static_cast<long long>(r.prefill_tokens), r.prefill_seconds, rate(r.prefill_tokens, r.prefill_seconds),
                backends_text(r.prefill_backends).c_str());
-  std::fprintf(stderr, "decode:  %lld tokens in %.3f s (%.1f tokens/s), experts %s\n",
+  std::fprintf(stderr, "decode:  %lld tokens in %.6f s (%.1f tokens/s), experts %s\n",
                static_cast<long long>(r.decode_tokens), r.decode_seconds, rate(r.decode_tokens, r.decode_seconds),
                r.decode_backends.empty() ? "(no decode step)" : backends_text(r.decode_backends).c_str());
   std::fprintf(stderr, "stopped: %s after %zu new tokens\n", r.stop_reason.c_str(), r.tokens.size());
@@ -107,7 +115,12 @@ void add_generate_command(CLI::App& app) {
                   "Token ids that end generation (default: the tokenizer's end-of-sequence token)")
       ->delimiter(',');
   cmd->add_flag("--raw", options->raw, "Print token ids instead of text");
+  cmd->add_flag("!--no-decode-switch", options->generation.decode_phase_switch,
+                "On a GPU, keep grouped_mm for decode instead of switching to batched_mm");
   cmd->add_flag("--ignore-eos", options->ignore_eos, "Do not stop at the tokenizer's end-of-sequence token");
+  cmd->add_option("--warmup", options->warmup, "Untimed generations before the timed one (benchmarks)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->callback([options]() { run_generate(*options); });
 }
 

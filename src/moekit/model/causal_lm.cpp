@@ -481,7 +481,7 @@ GenerationResult CausalLM::generate(std::span<const int32_t> prompt, const Gener
   result.stop_reason = "max new tokens";
   if (config.max_new_tokens == 0) return result;
 
-  DecodePhaseSwitch decode_phase(m.experts_implementation, m.device);
+  DecodePhaseSwitch decode_phase(m.experts_implementation, config.decode_phase_switch ? m.device : Device::cpu());
   result.decode_backends = m.experts_implementation.get();
   start = Clock::now();
   while (true) {
