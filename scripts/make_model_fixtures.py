@@ -57,6 +57,11 @@ MODELS = {
                                   num_experts_per_tok=3, n_group=1, topk_group=1, n_shared_experts=2,
                                   first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
                                   qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=1.0, norm_topk_prob=False),
+    # attention sinks, alternating sliding-window (window 4) and full layers, biased clamped experts stored
+    # transposed and interleaved, top-k-then-softmax router with a bias, YaRN rope
+    "gpt_oss": dict(COMMON, model_type="gpt_oss", num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=24, num_local_experts=6, num_experts_per_tok=2, sliding_window=4,
+                    swiglu_limit=7.0),
 }
 
 
@@ -65,6 +70,8 @@ def randomise(model, g):
         for name, p in sorted(model.named_parameters()):
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
             elif name.endswith("e_score_correction_bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "gate.weight" in name or "router" in name:

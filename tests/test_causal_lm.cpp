@@ -22,8 +22,8 @@ using namespace moekit;
 
 namespace {
 
-const std::vector<std::string> kModels = {"qwen3_moe", "qwen2_moe",   "mixtral",
-                                          "olmoe",     "deepseek_v3", "deepseek_v3_no_q_lora"};
+const std::vector<std::string> kModels = {"qwen3_moe",   "qwen2_moe",             "mixtral", "olmoe",
+                                          "deepseek_v3", "deepseek_v3_no_q_lora", "gpt_oss"};
 const std::vector<std::string> kCpuBackends = {"eager", "batched_mm", "grouped_mm"};
 
 std::string model_dir(const std::string& name) {

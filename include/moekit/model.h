@@ -1,4 +1,4 @@
-// The model runtime: Hugging Face MoE checkpoints (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3)
+// The model runtime: Hugging Face MoE checkpoints (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3, gpt_oss)
 // loaded from their directory, run as decoder-only language models with a KV cache, and generating
 // text. The experts of every MoE layer run through a named experts backend (see experts.h), chosen per
 // backbone when loading and switched at run time, as transformers' experts_implementation.

@@ -6,7 +6,8 @@
 //   h = h + mlp(post_attention_layernorm(h))         mlp: the MoE block, or a dense gated MLP
 // then logits = lm_head(norm(h)). Attention is grouped-query attention with rotary embeddings (q/k
 // projection biases for qwen2_moe, per-head q/k RMSNorm for qwen3_moe, whole-projection q/k RMSNorm and
-// clip_qkv for olmoe, sliding windows for mixtral when set), or DeepSeek-V3's multi-head latent
+// clip_qkv for olmoe, sliding windows for mixtral when set, sinks and alternating sliding-window layers
+// for gpt_oss), or DeepSeek-V3's multi-head latent
 // attention, whose cache holds the compressed latent (kv_lora_rank values after kv_a_layernorm) and the
 // rotated shared key, as transformers 5.17 caches them.
 #include <algorithm>
@@ -31,8 +32,11 @@ namespace {
 namespace ops = model_ops;
 
 struct AttentionWeights {
-  // Grouped-query attention.
-  Tensor q_proj, q_bias, k_proj, k_bias, v_proj, v_bias, o_proj, o_bias, q_norm, k_norm;
+  // Grouped-query attention; sinks [Hq] (GPT-OSS) with float copies for the CPU and the GPU.
+  Tensor q_proj, q_bias, k_proj, k_bias, v_proj, v_bias, o_proj, o_bias, q_norm, k_norm, sinks;
+  std::vector<float> sinks_host;
+  Tensor sinks_device;
+  int64_t sliding_window = 0;  // this layer's window (0: full attention)
   // DeepSeek-V3 multi-head latent attention (q_proj above when q_lora_rank is 0).
   Tensor q_a_proj, q_a_norm, q_b_proj, kv_a_proj, kv_a_norm, kv_b_proj;
 };
@@ -158,8 +162,6 @@ struct CausalLM::Impl {
     std::string why_not;
     MOEKIT_CHECK(device_available(options.device, &why_not), "from_pretrained: ", device_name(options.device),
                  " is not available: ", why_not);
-    MOEKIT_CHECK(config.model_type != "gpt_oss", "from_pretrained: gpt_oss is parsed but its decoder (attention "
-                                                 "sinks, transposed biased experts) is not implemented yet");
     device = options.device;
     if (options.dtype) {
       dtype = *options.dtype;
@@ -200,6 +202,9 @@ struct CausalLM::Impl {
       l.input_norm = r.load(p + "input_layernorm.weight", {H});
       l.post_attention_norm = r.load(p + "post_attention_layernorm.weight", {H});
       load_attention(r, p + "self_attn.", l.attention);
+      // mixtral: every layer slides when sliding_window is set; gpt_oss: the layers layer_types names.
+      const bool slides = c.layer_types.empty() || c.layer_types[static_cast<std::size_t>(i)] == "sliding_attention";
+      l.attention.sliding_window = slides ? c.sliding_window : 0;
       l.moe = c.layer_is_moe[static_cast<std::size_t>(i)];
       if (l.moe) {
         load_moe(r, p, l.moe_block);
@@ -244,6 +249,10 @@ struct CausalLM::Impl {
       // qwen2_moe's qkv_bias covers q, k and v only; the others' attention_bias also o_proj.
       if (c.model_type != "qwen2_moe") a.o_bias = r.load(p + "o_proj.bias", {H});
     }
+    if (c.model_type == "gpt_oss") {
+      a.sinks = r.load(p + "sinks", {Hq});
+      a.sinks_host = ops::to_float_vector(a.sinks);
+    }
     if (c.qk_norm) {
       // qwen3_moe normalises each head; olmoe the whole projection.
       const bool per_head = c.model_type == "qwen3_moe";
@@ -259,6 +268,18 @@ struct CausalLM::Impl {
     const std::string block = c.model_type == "mixtral" && r.any_under(p + "block_sparse_moe.")
                                   ? p + "block_sparse_moe."
                                   : p + "mlp.";
+    if (c.model_type == "gpt_oss") {
+      // Fused, transposed, gate and up interleaved, biased (ExpertsConfig from the config), and a
+      // router with a bias.
+      const int64_t I = c.moe_intermediate_size;
+      m.router_weight = r.load(block + "router.weight", {E, H});
+      m.router_bias = r.load(block + "router.bias", {E});
+      m.experts.gate_up_proj = r.load(block + "experts.gate_up_proj", {E, H, 2 * I});
+      m.experts.gate_up_proj_bias = r.load(block + "experts.gate_up_proj_bias", {E, 2 * I});
+      m.experts.down_proj = r.load(block + "experts.down_proj", {E, I, H});
+      m.experts.down_proj_bias = r.load(block + "experts.down_proj_bias", {E, H});
+      return;
+    }
     m.router_weight = r.load(block + "gate.weight", {E, H});
     if (c.router.kind == RouterKind::deepseek_v3)
       m.correction_bias = r.load(block + "gate.e_score_correction_bias", {E}, DType::f32);
@@ -296,6 +317,11 @@ struct CausalLM::Impl {
                         &a.v_bias, &a.o_proj, &a.o_bias, &a.q_norm, &a.k_norm, &a.q_a_proj, &a.q_a_norm, &a.q_b_proj,
                         &a.kv_a_proj, &a.kv_a_norm, &a.kv_b_proj, &l.mlp_gate, &l.mlp_up, &l.mlp_down})
         move(*t);
+      if (!a.sinks_host.empty()) {
+        Tensor sinks = Tensor::empty({static_cast<int64_t>(a.sinks_host.size())}, DType::f32);
+        std::copy(a.sinks_host.begin(), a.sinks_host.end(), sinks.data_as<float>());
+        a.sinks_device = sinks.to(device);
+      }
       MoeBlockWeights& m = l.moe_block;
       for (Tensor* t : {&m.router_weight, &m.router_bias, &m.correction_bias, &m.experts.gate_up_proj,
                         &m.experts.down_proj, &m.experts.gate_up_proj_bias, &m.experts.down_proj_bias,
@@ -335,11 +361,13 @@ struct CausalLM::Impl {
     s.key_dim = hd;
     s.value_dim = hd;
     s.scale = scale;
-    s.sliding_window = c.sliding_window;
+    s.sliding_window = a.sliding_window;
     if (device.is_cuda()) {
+      s.sinks = a.sinks_device.defined() ? a.sinks_device.data_as<float>() : nullptr;
       const Tensor out = ops::attention(q, lc.first_device, Hk * hd, hd, lc.second_device, Hk * hd, hd, s);
       return ops::linear(out, a.o_proj, a.o_bias);
     }
+    s.sinks = a.sinks_host.empty() ? nullptr : a.sinks_host.data();
     const std::vector<float> qf = ops::to_float_vector(q);
     const Tensor out = ops::attention(qf.data(), lc.first.data(), lc.second.data(), s, dtype);
     return ops::linear(out, a.o_proj, a.o_bias);
