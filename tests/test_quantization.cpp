@@ -13,6 +13,8 @@
 
 #include "harness.h"
 #include "moekit/dtype.h"
+#include "moekit/quantization.h"
+#include "moekit/random_problem.h"
 #include "moekit/tensor.h"
 
 namespace moekit {
@@ -171,6 +173,194 @@ TEST(QuantizedDTypes, VisitorsNarrowToOneKind) {
   for (DType d : {DType::f32, DType::f16, DType::bf16, DType::i32, DType::i64, DType::u8, DType::f8_e4m3,
                   DType::f4_e2m1, DType::ue8m0})
     EXPECT_EQ(visit_dtype(d, [](auto tag) { return dtype_of<typename decltype(tag)::type>(); }), d);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Weights
+
+// W [E, N, K] f32 with values spread over several orders of magnitude, a zero block and a few exact zeros.
+Tensor spread_weights(int64_t E, int64_t N, int64_t K, uint64_t seed) {
+  Tensor w = Tensor::empty({E, N, K}, DType::f32);
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> octave(-12, 2);
+  float* p = w.data_as<float>();
+  for (int64_t i = 0; i < w.numel(); ++i) p[i] = u(rng) * std::ldexp(1.0f, octave(rng));
+  for (int64_t n = 0; n < std::min<int64_t>(N, 40); ++n)  // expert 0's first 32-wide K block is all zero
+    for (int64_t k = 0; k < std::min<int64_t>(K, 32); ++k) p[n * K + k] = 0;
+  return w;
+}
+
+double amax_of(const Tensor& w, int64_t e, int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
+  const int64_t N = w.size(1), K = w.size(2);
+  double m = 0;
+  for (int64_t n = n0; n < std::min(n1, N); ++n)
+    for (int64_t k = k0; k < std::min(k1, K); ++k) m = std::max(m, std::fabs(double(w.data_as<float>()[(e * N + n) * K + k])));
+  return m;
+}
+
+// The scale must be amax / 448 (f32) or the smallest power of two at or above it (ue8m0), 1 for a zero
+// block; every dequantised weight within half a step of e4m3 at its magnitude (or of the subnormal step).
+TEST(QuantizeWeights, Fp8BlocksCoverPartialEdgesWithinHalfAStep) {
+  const int64_t E = 2, N = 130, K = 200;  // partial blocks in both N and K
+  const Tensor w = spread_weights(E, N, K, 1);
+  for (DType scale_dtype : {DType::f32, DType::ue8m0}) {
+    SCOPED_TRACE(dtype_name(scale_dtype));
+    const QuantizedWeights q = quantize_weights(w, WeightFormat::fp8_e4m3, scale_dtype);
+    EXPECT_EQ(q.weights.dtype(), DType::f8_e4m3);
+    EXPECT_EQ(q.weights.shape(), Shape({E, N, K}));
+    EXPECT_EQ(q.scale_inv.shape(), Shape({E, 2, 2}));
+    EXPECT_EQ(q.scale_inv.dtype(), scale_dtype);
+    const std::vector<float> scales = test::values_of(q.scale_inv);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t nb = 0; nb < 2; ++nb)
+        for (int64_t kb = 0; kb < 2; ++kb) {
+          const double amax = amax_of(w, e, nb * 128, nb * 128 + 128, kb * 128, kb * 128 + 128);
+          const double s = scales[static_cast<std::size_t>((e * 2 + nb) * 2 + kb)];
+          if (scale_dtype == DType::f32) {
+            EXPECT_NEAR(s, amax / 448, amax / 448 * 1e-6) << e << nb << kb;
+          } else {
+            EXPECT_EQ(std::exp2(std::round(std::log2(s))), s) << "a power of two";
+            EXPECT_GE(s, amax / 448);
+            EXPECT_LT(s, 2 * amax / 448);
+          }
+        }
+    const Tensor back = dequantize_weights(q.weights, q.scale_inv);
+    EXPECT_EQ(back.shape(), Shape({E, N, K}));
+    const float* a = w.data_as<float>();
+    const float* b = back.data_as<float>();
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      const int64_t e = i / (N * K), n = i / K % N, k = i % K;
+      const double s = scales[static_cast<std::size_t>((e * 2 + n / 128) * 2 + k / 128)];
+      // e4m3 has 3 mantissa bits: half a step is 2^-4 of the value; below 2^-6 * s the step is 2^-9 * s.
+      const double bound = std::max(std::fabs(a[i]) * 0x1p-4, s * 0x1p-10) * (1 + 1e-6);
+      ASSERT_LE(std::fabs(double(b[i]) - a[i]), bound) << "w[" << e << ", " << n << ", " << k << "] = " << a[i];
+    }
+  }
+}
+
+TEST(QuantizeWeights, Fp4PerRowBlocksOf32WithinHalfAStep) {
+  const int64_t E = 2, N = 5, K = 70;  // a partial 32-block at the end of each row
+  const Tensor w = spread_weights(E, N, K, 2);
+  const QuantizedWeights q = quantize_weights(w, WeightFormat::fp4_e2m1, DType::ue8m0);
+  EXPECT_EQ(q.weights.dtype(), DType::f4_e2m1);
+  EXPECT_EQ(q.weights.shape(), Shape({E, N, K / 2}));
+  EXPECT_EQ(q.scale_inv.shape(), Shape({E, N, 3}));
+  const std::vector<float> scales = test::values_of(q.scale_inv);
+  const Tensor back = dequantize_weights(q.weights, q.scale_inv, DType::f32);
+  const float* a = w.data_as<float>();
+  const float* b = back.data_as<float>();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t kb = 0; kb < 3; ++kb) {
+        const double amax = amax_of(w, e, n, n + 1, kb * 32, kb * 32 + 32);
+        const double s = scales[static_cast<std::size_t>((e * N + n) * 3 + kb)];
+        if (amax == 0) {
+          EXPECT_EQ(s, 1.0);
+        } else {
+          EXPECT_GE(s, amax / 6);
+          EXPECT_LT(s, 2 * amax / 6);
+        }
+        for (int64_t k = kb * 32; k < std::min<int64_t>(K, kb * 32 + 32); ++k) {
+          const int64_t i = (e * N + n) * K + k;
+          const double v = std::fabs(a[i]) / s;
+          const double half_step = v < 2 ? 0.25 : v < 4 ? 0.5 : 1.0;  // e2m1 steps: 0.5 below 2, 1 below 4, 2 above
+          ASSERT_LE(std::fabs(double(b[i]) - a[i]), half_step * s * (1 + 1e-6)) << e << " " << n << " " << k;
+        }
+      }
+}
+
+// The packing convention, from hand-made bytes: element 2j in the low nibble.
+TEST(QuantizeWeights, Fp4PackingLowNibbleFirst) {
+  Tensor q = Tensor::empty({1, 1, 16}, DType::f4_e2m1);  // K = 32
+  for (int j = 0; j < 16; ++j) q.data_as<f4_e2m1x2>()[j] = f4_e2m1x2{static_cast<uint8_t>(j == 0 ? 0x72 : 0x00)};
+  Tensor s = Tensor::empty({1, 1, 1}, DType::ue8m0);
+  s.data_as<ue8m0>()[0] = ue8m0{128};  // 2
+  const std::vector<float> w = test::values_of(dequantize_weights(q, s));
+  ASSERT_EQ(w.size(), 32u);
+  EXPECT_EQ(w[0], 2.0f);   // low nibble 2: 1.0 * 2
+  EXPECT_EQ(w[1], 12.0f);  // high nibble 7: 6.0 * 2
+  EXPECT_EQ(w[2], 0.0f);
+  // And quantising puts them back where they were.
+  const QuantizedWeights again = quantize_weights(test::tensor_of(w, {1, 1, 32}), WeightFormat::fp4_e2m1, DType::ue8m0);
+  EXPECT_EQ(again.weights.data_as<f4_e2m1x2>()[0].bits, 0x72);
+  EXPECT_EQ(to_float(again.scale_inv.data_as<ue8m0>()[0]), 2.0f);
+}
+
+TEST(QuantizeWeights, BadInputIsNamed) {
+  Tensor w = test::tensor_of(std::vector<float>(2 * 3 * 4, 0.5f), {2, 3, 4});
+  w.data_as<float>()[(1 * 3 + 2) * 4 + 1] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(throws_error_with([&] { quantize_weights(w, WeightFormat::fp8_e4m3); }, {"weight [1, 2, 1]", "not finite"}));
+  EXPECT_TRUE(throws_error_with([] { quantize_weights(Tensor::zeros({1, 2, 3}, DType::f32), WeightFormat::fp4_e2m1, DType::ue8m0); },
+                                {"K must be even"}));
+  EXPECT_TRUE(throws_error_with([] { quantize_weights(Tensor::zeros({1, 2, 4}, DType::f32), WeightFormat::fp4_e2m1); },
+                                {"FP4 e2m1 weights take ue8m0 scales"}));
+  EXPECT_TRUE(throws_error_with([] { quantize_weights(Tensor::zeros({2, 4}, DType::f32), WeightFormat::fp8_e4m3); },
+                                {"[E, N, K]"}));
+  const QuantizedWeights q = quantize_weights(Tensor::zeros({1, 2, 4}, DType::f32), WeightFormat::fp8_e4m3);
+  EXPECT_TRUE(throws_error_with([&] { dequantize_weights(q.weights, Tensor::zeros({1, 2, 1}, DType::f32)); },
+                                {"scale_inv of f8_e4m3[1, 2, 4]", "[1, 1, 1]", "f32[1, 2, 1]"}));
+  EXPECT_TRUE(throws_error_with([&] { dequantize_weights(q.weights, Tensor::zeros({1, 1, 1}, DType::bf16)); },
+                                {"f32 or ue8m0", "bf16"}));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Activations
+
+TEST(QuantizeActivations, PerGroupOf128FromAmax) {
+  const int64_t n = 300;  // groups of 128, 128 and 44
+  std::vector<float> x(n);
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  for (auto& v : x) v = u(rng);
+  for (int64_t i = 128; i < 256; ++i) x[static_cast<std::size_t>(i)] = 0;  // an all-zero group
+  for (bool pow2 : {false, true}) {
+    SCOPED_TRACE(pow2 ? "power-of-two scales" : "f32 scales");
+    std::vector<float> out(n), scales(3);
+    std::vector<f8_e4m3> codes(n);
+    quantize_activations(x.data(), n, pow2, out.data(), codes.data(), scales.data());
+    for (int g = 0; g < 3; ++g) {
+      float amax = 0;
+      for (int64_t i = g * 128; i < std::min<int64_t>(n, g * 128 + 128); ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float s = scales[static_cast<std::size_t>(g)];
+      if (amax == 0)
+        EXPECT_EQ(s, 1.0f);
+      else if (pow2)
+        EXPECT_EQ(s, std::exp2(std::ceil(std::log2(amax / 448.0f))));
+      else
+        EXPECT_EQ(s, amax / 448.0f);
+      for (int64_t i = g * 128; i < std::min<int64_t>(n, g * 128 + 128); ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        EXPECT_EQ(out[k], to_float(codes[k]) * s);
+        EXPECT_LE(std::fabs(out[k] - x[k]), std::max(std::fabs(x[k]) * 0x1p-4f, s * 0x1p-10f) * 1.000001f) << i;
+      }
+    }
+    // In place gives the same values.
+    std::vector<float> same = x;
+    quantize_activations(same.data(), n, pow2, same.data());
+    EXPECT_EQ(same, out);
+  }
+  // A NaN stays visible.
+  x[5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> out(n);
+  quantize_activations(x.data(), n, false, out.data());
+  EXPECT_TRUE(std::isnan(out[5]));
+}
+
+TEST(QuantizationConfig, NamesAndDefaults) {
+  QuantizationConfig c;
+  EXPECT_FALSE(c.quantized());
+  c.weights = WeightFormat::fp8_e4m3;
+  EXPECT_EQ(c.resolved_block_size(), 128);
+  EXPECT_EQ(c.describe(), "fp8_e4m3 block 128, dynamic activations");
+  c.weights = WeightFormat::fp4_e2m1;
+  EXPECT_EQ(c.resolved_block_size(), 32);
+  EXPECT_EQ(parse_weight_format("fp8_e4m3"), WeightFormat::fp8_e4m3);
+  EXPECT_EQ(parse_activation_scheme("static"), ActivationScheme::static_scales);
+  EXPECT_TRUE(throws_error_with([] { parse_weight_format("int4"); }, {"'int4'", "none, fp8_e4m3, fp4_e2m1"}));
+  EXPECT_EQ(ue8m0_ceil(1.0f).bits, 127);
+  EXPECT_EQ(ue8m0_ceil(std::nextafter(1.0f, 2.0f)).bits, 128);
+  EXPECT_EQ(ue8m0_ceil(0.75f).bits, 127);
 }
 
 }  // namespace
