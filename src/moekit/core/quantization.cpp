@@ -126,64 +126,66 @@ QuantizedWeights quantize_weights(const Tensor& weights, WeightFormat format, DT
   const int64_t E = weights.size(0), N = weights.size(1), K = weights.size(2);
   MOEKIT_CHECK(!fp4 || K % 2 == 0, "FP4 weights pack two values per byte along K, so K must be even; got ",
                weights.describe());
-  const Tensor w = weights.to(DType::f32);  // contiguous float: quantisation reads each block once
-  const float* src = w.data_as<float>();
   QuantizedWeights out;
   out.weights = Tensor::empty(quantized_weight_shape(format, E, N, K), fp4 ? DType::f4_e2m1 : DType::f8_e4m3);
   out.scale_inv = Tensor::empty(weight_scale_shape(format, E, N, K), scale_dtype);
   const bool power_of_two = scale_dtype == DType::ue8m0;
   std::atomic<int64_t> first_bad{-1};
+  float bad_value = 0;
   auto store_scale = [&](int64_t index, float scale) {
     if (power_of_two)
       out.scale_inv.data_as<ue8m0>()[index] = from_float<ue8m0>(scale);  // exact: scale is a power of two
     else
       out.scale_inv.data_as<float>()[index] = scale;
   };
-
-  if (!fp4) {
-    const int64_t NB = ceil_div(N, kFp8BlockSize), KB = ceil_div(K, kFp8BlockSize);
-    auto* q = out.weights.data_as<f8_e4m3>();
+  // One expert at a time in float: model-sized weights never need a float copy of all of them.
+  for (int64_t e = 0; e < E && first_bad.load() < 0; ++e) {
+    const Tensor we = weights.select(0, e).to(DType::f32);
+    const float* src = we.data_as<float>();
+    if (!fp4) {
+      const int64_t NB = ceil_div(N, kFp8BlockSize), KB = ceil_div(K, kFp8BlockSize);
+      f8_e4m3* q = out.weights.data_as<f8_e4m3>() + e * N * K;
 #pragma omp parallel for schedule(dynamic)
-    for (int64_t task = 0; task < E * NB; ++task) {
-      const int64_t e = task / NB, n0 = task % NB * kFp8BlockSize, n1 = std::min(N, n0 + kFp8BlockSize);
-      for (int64_t kb = 0; kb < KB; ++kb) {
+      for (int64_t task = 0; task < NB * KB; ++task) {
+        const int64_t nb = task / KB, kb = task % KB;
+        const int64_t n0 = nb * kFp8BlockSize, n1 = std::min(N, n0 + kFp8BlockSize);
         const int64_t k0 = kb * kFp8BlockSize, k1 = std::min(K, k0 + kFp8BlockSize);
         float amax = 0;
         for (int64_t n = n0; n < n1; ++n)
           for (int64_t k = k0; k < k1; ++k) {
-            const float v = src[(e * N + n) * K + k];
-            if (!std::isfinite(v)) note_bad(first_bad, (e * N + n) * K + k);
-            amax = std::max(amax, std::fabs(v));
+            if (!std::isfinite(src[n * K + k])) note_bad(first_bad, (e * N + n) * K + k);
+            amax = std::max(amax, std::fabs(src[n * K + k]));
           }
         const float scale = block_scale(amax, kE4m3Max, power_of_two);
-        store_scale(task * KB + kb, scale);
+        store_scale((e * NB + nb) * KB + kb, scale);
         for (int64_t n = n0; n < n1; ++n)
-          for (int64_t k = k0; k < k1; ++k) q[(e * N + n) * K + k] = from_float<f8_e4m3>(src[(e * N + n) * K + k] / scale);
+          for (int64_t k = k0; k < k1; ++k) q[n * K + k] = from_float<f8_e4m3>(src[n * K + k] / scale);
       }
-    }
-  } else {
-    const int64_t KB = ceil_div(K, kFp4BlockSize);
-    auto* q = out.weights.data_as<f4_e2m1x2>();
+    } else {
+      const int64_t KB = ceil_div(K, kFp4BlockSize);
+      f4_e2m1x2* q = out.weights.data_as<f4_e2m1x2>() + e * N * K / 2;
 #pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < E * N; ++row) {
-      const float* r = src + row * K;
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        const int64_t k0 = kb * kFp4BlockSize, k1 = std::min(K, k0 + kFp4BlockSize);
-        float amax = 0;
-        for (int64_t k = k0; k < k1; ++k) {
-          if (!std::isfinite(r[k])) note_bad(first_bad, row * K + k);
-          amax = std::max(amax, std::fabs(r[k]));
-        }
-        const float scale = block_scale(amax, kE2m1Max, true);
-        store_scale(row * KB + kb, scale);
-        for (int64_t k = k0; k < k1; k += 2)  // k0 and K are even, so pairs never straddle blocks
-          q[(row * K + k) / 2] = f4_e2m1x2{static_cast<uint8_t>(e2m1_from_float(r[k] / scale) |
+      for (int64_t n = 0; n < N; ++n) {
+        const float* r = src + n * K;
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const int64_t k0 = kb * kFp4BlockSize, k1 = std::min(K, k0 + kFp4BlockSize);
+          float amax = 0;
+          for (int64_t k = k0; k < k1; ++k) {
+            if (!std::isfinite(r[k])) note_bad(first_bad, (e * N + n) * K + k);
+            amax = std::max(amax, std::fabs(r[k]));
+          }
+          const float scale = block_scale(amax, kE2m1Max, true);
+          store_scale((e * N + n) * KB + kb, scale);
+          for (int64_t k = k0; k < k1; k += 2)  // k0 and K are even, so pairs never straddle blocks
+            q[(n * K + k) / 2] = f4_e2m1x2{static_cast<uint8_t>(e2m1_from_float(r[k] / scale) |
                                                                 (e2m1_from_float(r[k + 1] / scale) << 4))};
+        }
       }
     }
+    if (const int64_t bad = first_bad.load(); bad >= 0) bad_value = src[bad % (N * K)];
   }
   if (const int64_t bad = first_bad.load(); bad >= 0)
-    MOEKIT_FAIL("quantize_weights: weight [", bad / (N * K), ", ", bad / K % N, ", ", bad % K, "] = ", src[bad],
+    MOEKIT_FAIL("quantize_weights: weight [", bad / (N * K), ", ", bad / K % N, ", ", bad % K, "] = ", bad_value,
                 " is not finite; block scales need finite weights");
   return out;
 }
