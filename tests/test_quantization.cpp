@@ -80,8 +80,7 @@ std::vector<float> probe_values(int codes, Value value, double max) {
     const auto x = static_cast<float>(std::exp2(log_mag(rng)));
     v.push_back(i % 2 ? x : -x);
   }
-  for (float x : {0.0f, -0.0f, static_cast<float>(max), static_cast<float>(max) * 1.04f, 1e30f, -1e30f})
-    v.push_back(x);
+  for (float x : {0.0f, -0.0f, static_cast<float>(max), static_cast<float>(max) * 1.04f, 1e30f, -1e30f}) v.push_back(x);
   return v;
 }
 
@@ -118,7 +117,8 @@ TEST(F8E4M3, RoundsToNearestEvenAndSaturates) {
 }
 
 TEST(E2M1, DecodesAndRoundsToNearestEven) {
-  for (int c = 0; c < 16; ++c) EXPECT_EQ(e2m1_to_float(static_cast<uint8_t>(c)), e2m1_definition(static_cast<uint8_t>(c)));
+  for (int c = 0; c < 16; ++c)
+    EXPECT_EQ(e2m1_to_float(static_cast<uint8_t>(c)), e2m1_definition(static_cast<uint8_t>(c)));
   for (float v : probe_values(16, e2m1_definition, 6)) {
     EXPECT_EQ(e2m1_from_float(v), nearest_code(v, 16, e2m1_definition)) << "v = " << v;
   }
@@ -160,8 +160,8 @@ TEST(QuantizedDTypes, PackingSizesAndConversions) {
   const std::vector<float> scales = test::values_of(t.to(DType::ue8m0));
   EXPECT_EQ(scales, std::vector<float>({1.0f, 4.0f, 512.0f, 0x1p-10f}));
   // Packed pairs have no element-wise value.
-  EXPECT_TRUE(throws_error_with([] { Tensor::zeros({2}, DType::f4_e2m1).to(DType::f32); },
-                                {"packed f4_e2m1", "got f4_e2m1"}));
+  EXPECT_TRUE(
+      throws_error_with([] { Tensor::zeros({2}, DType::f4_e2m1).to(DType::f32); }, {"packed f4_e2m1", "got f4_e2m1"}));
   EXPECT_TRUE(throws_error_with([&] { t.to(DType::f4_e2m1); }, {"to convert to", "got f4_e2m1"}));
 }
 
@@ -195,7 +195,8 @@ double amax_of(const Tensor& w, int64_t e, int64_t n0, int64_t n1, int64_t k0, i
   const int64_t N = w.size(1), K = w.size(2);
   double m = 0;
   for (int64_t n = n0; n < std::min(n1, N); ++n)
-    for (int64_t k = k0; k < std::min(k1, K); ++k) m = std::max(m, std::fabs(double(w.data_as<float>()[(e * N + n) * K + k])));
+    for (int64_t k = k0; k < std::min(k1, K); ++k)
+      m = std::max(m, std::fabs(double(w.data_as<float>()[(e * N + n) * K + k])));
   return m;
 }
 
@@ -290,18 +291,34 @@ TEST(QuantizeWeights, Fp4PackingLowNibbleFirst) {
 TEST(QuantizeWeights, BadInputIsNamed) {
   Tensor w = test::tensor_of(std::vector<float>(2 * 3 * 4, 0.5f), {2, 3, 4});
   w.data_as<float>()[(1 * 3 + 2) * 4 + 1] = std::numeric_limits<float>::infinity();
-  EXPECT_TRUE(throws_error_with([&] { quantize_weights(w, WeightFormat::fp8_e4m3); }, {"weight [1, 2, 1]", "not finite"}));
-  EXPECT_TRUE(throws_error_with([] { quantize_weights(Tensor::zeros({1, 2, 3}, DType::f32), WeightFormat::fp4_e2m1, DType::ue8m0); },
-                                {"K must be even"}));
-  EXPECT_TRUE(throws_error_with([] { quantize_weights(Tensor::zeros({1, 2, 4}, DType::f32), WeightFormat::fp4_e2m1); },
-                                {"FP4 e2m1 weights take ue8m0 scales"}));
-  EXPECT_TRUE(throws_error_with([] { quantize_weights(Tensor::zeros({2, 4}, DType::f32), WeightFormat::fp8_e4m3); },
-                                {"[E, N, K]"}));
+  EXPECT_TRUE(
+      throws_error_with([&] { quantize_weights(w, WeightFormat::fp8_e4m3); }, {"weight [1, 2, 1]", "not finite"}));
+  EXPECT_TRUE(throws_error_with(
+      [] {
+        quantize_weights(Tensor::zeros({1, 2, 3}, DType::f32), WeightFormat::fp4_e2m1, DType::ue8m0);
+      },
+      {"K must be even"}));
+  EXPECT_TRUE(throws_error_with(
+      [] {
+        quantize_weights(Tensor::zeros({1, 2, 4}, DType::f32), WeightFormat::fp4_e2m1);
+      },
+      {"FP4 e2m1 weights take ue8m0 scales"}));
+  EXPECT_TRUE(throws_error_with(
+      [] {
+        quantize_weights(Tensor::zeros({2, 4}, DType::f32), WeightFormat::fp8_e4m3);
+      },
+      {"[E, N, K]"}));
   const QuantizedWeights q = quantize_weights(Tensor::zeros({1, 2, 4}, DType::f32), WeightFormat::fp8_e4m3);
-  EXPECT_TRUE(throws_error_with([&] { dequantize_weights(q.weights, Tensor::zeros({1, 2, 1}, DType::f32)); },
-                                {"scale_inv of f8_e4m3[1, 2, 4]", "[1, 1, 1]", "f32[1, 2, 1]"}));
-  EXPECT_TRUE(throws_error_with([&] { dequantize_weights(q.weights, Tensor::zeros({1, 1, 1}, DType::bf16)); },
-                                {"f32 or ue8m0", "bf16"}));
+  EXPECT_TRUE(throws_error_with(
+      [&] {
+        dequantize_weights(q.weights, Tensor::zeros({1, 2, 1}, DType::f32));
+      },
+      {"scale_inv of f8_e4m3[1, 2, 4]", "[1, 1, 1]", "f32[1, 2, 1]"}));
+  EXPECT_TRUE(throws_error_with(
+      [&] {
+        dequantize_weights(q.weights, Tensor::zeros({1, 1, 1}, DType::bf16));
+      },
+      {"f32 or ue8m0", "bf16"}));
 }
 
 // ---------------------------------------------------------------------------------------------------------

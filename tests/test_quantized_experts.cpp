@@ -39,8 +39,9 @@ RandomProblemOptions quantized_options(WeightFormat format, DType scale_dtype = 
 }
 
 TEST(QuantizedValidation, ValidProblemsPass) {
-  for (auto [format, scale] : {std::pair{WeightFormat::fp8_e4m3, DType::f32}, std::pair{WeightFormat::fp8_e4m3, DType::ue8m0},
-                               std::pair{WeightFormat::fp4_e2m1, DType::ue8m0}}) {
+  for (auto [format, scale] :
+       {std::pair{WeightFormat::fp8_e4m3, DType::f32}, std::pair{WeightFormat::fp8_e4m3, DType::ue8m0},
+        std::pair{WeightFormat::fp4_e2m1, DType::ue8m0}}) {
     const ExpertsProblem p = make_random_problem(quantized_options(format, scale));
     const ExpertsShape s = validate(p);
     EXPECT_EQ(s.hidden, 132);
@@ -56,7 +57,8 @@ TEST(QuantizedValidation, WeightsAndScalesAreNamedWithTheExpectedShapeAndDType) 
   EXPECT_TRUE(rejects(p, {"gate_up_proj_scale_inv is missing"}));
   p = fp8;
   p.gate_up_proj_scale_inv = Tensor::zeros({3, 2, 1}, DType::f32);
-  EXPECT_TRUE(rejects(p, {"gate_up_proj_scale_inv must be [3, 2, 2]", "[E, ceil(N/128), ceil(H/128)]", "f32[3, 2, 1]"}));
+  EXPECT_TRUE(
+      rejects(p, {"gate_up_proj_scale_inv must be [3, 2, 2]", "[E, ceil(N/128), ceil(H/128)]", "f32[3, 2, 1]"}));
   p = fp8;
   p.down_proj_scale_inv = Tensor::zeros({3, 2, 1}, DType::f32);  // [E, ceil(132/128), ceil(70/128)] = [3, 2, 1]: fine
   EXPECT_NO_THROW(validate(p));
@@ -67,7 +69,8 @@ TEST(QuantizedValidation, WeightsAndScalesAreNamedWithTheExpectedShapeAndDType) 
   EXPECT_TRUE(rejects(p, {"gate_up_proj_scale_inv must be f32 or ue8m0", "bf16[3, 2, 2]"}));
   p = fp8;
   p.gate_up_proj = p.gate_up_proj.to(DType::f32);
-  EXPECT_TRUE(rejects(p, {"gate_up_proj must be f8_e4m3 (config.quantization: fp8_e4m3 block 128", "f32[3, 140, 132]"}));
+  EXPECT_TRUE(
+      rejects(p, {"gate_up_proj must be f8_e4m3 (config.quantization: fp8_e4m3 block 128", "f32[3, 140, 132]"}));
   p = fp8;
   p.config.quantization.block_size = 64;
   EXPECT_TRUE(rejects(p, {"block_size 64 is not supported", "blocks of 128 x 128"}));
@@ -133,7 +136,8 @@ TEST(QuantizedReference, ActivationRoundingByHand) {
 // On a random problem the quantised reference is the unquantised one on the dequantised weights, up to the
 // activation quantisation: a few percent apart (e4m3 keeps 3 mantissa bits), never equal.
 TEST(QuantizedReference, DiffersFromTheDequantisedProblemByTheActivationRounding) {
-  for (auto [format, scale] : {std::pair{WeightFormat::fp8_e4m3, DType::f32}, std::pair{WeightFormat::fp4_e2m1, DType::ue8m0}}) {
+  for (auto [format, scale] :
+       {std::pair{WeightFormat::fp8_e4m3, DType::f32}, std::pair{WeightFormat::fp4_e2m1, DType::ue8m0}}) {
     RandomProblemOptions o = quantized_options(format, scale);
     o.dtype = DType::f32;
     const ExpertsProblem q = make_random_problem(o);

@@ -32,8 +32,8 @@ namespace moekit {
 enum class WeightFormat : uint8_t { none, fp8_e4m3, fp4_e2m1 };
 enum class ActivationScheme : uint8_t { dynamic, static_scales };
 
-std::string_view weight_format_name(WeightFormat format);  // "none", "fp8_e4m3", "fp4_e2m1"
-WeightFormat parse_weight_format(std::string_view name);   // lists the valid names on failure
+std::string_view weight_format_name(WeightFormat format);          // "none", "fp8_e4m3", "fp4_e2m1"
+WeightFormat parse_weight_format(std::string_view name);           // lists the valid names on failure
 std::string_view activation_scheme_name(ActivationScheme scheme);  // "dynamic", "static" (transformers' words)
 ActivationScheme parse_activation_scheme(std::string_view name);
 

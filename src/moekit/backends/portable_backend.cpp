@@ -71,9 +71,6 @@ Support PortableBackend::supports(const ExpertsProblem& p) const {
   // Quantisation first: the CUDA refusal is a fact of this version of moekit, true on any machine.
   if (Support s = quantized_cuda_support(p, name()); !s) return s;
   if (Support s = activation_scheme_support(p, name()); !s) return s;
-  if (p.config.quantization.quantized())
-    return Support::no(std::string(quantized_format_label(p)) + " experts on the CPU are not implemented yet in " +
-                       std::string(name()));
   return supports_device(p.hidden_states.device());
 }
 

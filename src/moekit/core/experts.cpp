@@ -94,15 +94,15 @@ ExpertsShape validate(const ExpertsProblem& p) {
                                                                    : DType::f4_e2m1;
   // "must have the dtype of hidden_states (bf16)" or "must be f8_e4m3 (config.quantization: ...)".
   const std::string expected_dtype =
-      q.quantized() ? "must be " + std::string(dtype_name(weight_dtype)) + " (config.quantization: " + q.describe() + ")"
-                    : "must have the dtype of hidden_states (" + std::string(dtype_name(dtype)) + ")";
+      q.quantized()
+          ? "must be " + std::string(dtype_name(weight_dtype)) + " (config.quantization: " + q.describe() + ")"
+          : "must have the dtype of hidden_states (" + std::string(dtype_name(dtype)) + ")";
   if (q.quantized()) {
     MOEKIT_CHECK(!c.is_transposed, "quantised weights (", q.describe(),
                  ") must be untransposed [E, N, K], the layout their block scales describe; got is_transposed=true");
     MOEKIT_CHECK(q.resolved_block_size() == default_block_size(q.weights), "config.quantization.block_size ",
                  q.block_size, " is not supported: ", weight_format_name(q.weights), " weights use blocks of ",
-                 default_block_size(q.weights),
-                 q.weights == WeightFormat::fp8_e4m3 ? " x 128" : " along K");
+                 default_block_size(q.weights), q.weights == WeightFormat::fp8_e4m3 ? " x 128" : " along K");
   }
   check_tensor(p.gate_up_proj, up_name, 3, device);
   MOEKIT_CHECK(p.gate_up_proj.dtype() == weight_dtype, up_name, " ", expected_dtype, ", got ",

@@ -122,7 +122,8 @@ QuantizedWeights quantize_weights(const Tensor& weights, WeightFormat format, DT
   MOEKIT_CHECK(scale_dtype == DType::f32 || scale_dtype == DType::ue8m0,
                "quantize_weights: scales are f32 or ue8m0, got ", dtype_name(scale_dtype));
   const bool fp4 = format == WeightFormat::fp4_e2m1;
-  MOEKIT_CHECK(!fp4 || scale_dtype == DType::ue8m0, "FP4 e2m1 weights take ue8m0 scales, got ", dtype_name(scale_dtype));
+  MOEKIT_CHECK(!fp4 || scale_dtype == DType::ue8m0, "FP4 e2m1 weights take ue8m0 scales, got ",
+               dtype_name(scale_dtype));
   const int64_t E = weights.size(0), N = weights.size(1), K = weights.size(2);
   MOEKIT_CHECK(!fp4 || K % 2 == 0, "FP4 weights pack two values per byte along K, so K must be even; got ",
                weights.describe());
@@ -177,8 +178,8 @@ QuantizedWeights quantize_weights(const Tensor& weights, WeightFormat format, DT
           const float scale = block_scale(amax, kE2m1Max, true);
           store_scale((e * N + n) * KB + kb, scale);
           for (int64_t k = k0; k < k1; k += 2)  // k0 and K are even, so pairs never straddle blocks
-            q[(n * K + k) / 2] = f4_e2m1x2{static_cast<uint8_t>(e2m1_from_float(r[k] / scale) |
-                                                                (e2m1_from_float(r[k + 1] / scale) << 4))};
+            q[(n * K + k) / 2] = f4_e2m1x2{
+                static_cast<uint8_t>(e2m1_from_float(r[k] / scale) | (e2m1_from_float(r[k + 1] / scale) << 4))};
         }
       }
     }
@@ -221,7 +222,8 @@ Tensor dequantize_weights(const Tensor& weights, const Tensor& scale_inv, DType 
         for (int64_t k = 0; k < K; ++k) {
           float v = 0;
           if (format == WeightFormat::fp8_e4m3) {
-            const float s = to_float(scales[(e * scale_shape[1] + n / kFp8BlockSize) * scale_shape[2] + k / kFp8BlockSize]);
+            const float s =
+                to_float(scales[(e * scale_shape[1] + n / kFp8BlockSize) * scale_shape[2] + k / kFp8BlockSize]);
             v = to_float(static_cast<const f8_e4m3*>(weights.data())[row * K + k]) * s;
           } else {
             const uint8_t pair = static_cast<const f4_e2m1x2*>(weights.data())[(row * K + k) / 2].bits;

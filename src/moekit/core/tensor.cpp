@@ -268,8 +268,7 @@ Tensor Tensor::to(DType dtype) const {
             return static_cast<double>(to_float(s[i]));
         };
         visit_dtype_among<float, f16, bf16, f8_e4m3, ue8m0, int32_t, int64_t>(
-            dtype,
-            "a floating dtype (f32, f16, bf16, f8_e4m3, ue8m0) or an index dtype (i32, i64) to convert to",
+            dtype, "a floating dtype (f32, f16, bf16, f8_e4m3, ue8m0) or an index dtype (i32, i64) to convert to",
             [&](auto target_tag) {
               using D = typename decltype(target_tag)::type;
               D* d = static_cast<D*>(out.data());

@@ -134,7 +134,7 @@ std::vector<double> experts_reference(const ExpertsProblem& p) {
   });
   const auto w = to_doubles(p.top_k_weights);
   const auto w1 = q.quantized() ? dequantized_doubles(p.gate_up_proj, p.gate_up_proj_scale_inv, q.weights)
-                                 : to_doubles(p.gate_up_proj);
+                                : to_doubles(p.gate_up_proj);
   const auto w2 =
       q.quantized() ? dequantized_doubles(p.down_proj, p.down_proj_scale_inv, q.weights) : to_doubles(p.down_proj);
   const auto b1 = c.has_bias ? to_doubles(p.gate_up_proj_bias) : std::vector<double>(E * N, 0.0);
