@@ -89,4 +89,8 @@ Tensor dequantize_weights(const Tensor& weights, const Tensor& scale_inv, DType 
 void quantize_activations(const float* x, int64_t n, bool power_of_two_scales, float* dequantized,
                           f8_e4m3* codes = nullptr, float* scales = nullptr);
 
+// to_float(from_float<f8_e4m3>(v)) computed without the code (what quantize_activations uses so that its
+// loop vectorises); equal for every float, NaN included.
+float round_to_e4m3_value(float v);
+
 }  // namespace moekit

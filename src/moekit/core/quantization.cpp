@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cfloat>
 #include <cmath>
 #include <sstream>
@@ -237,6 +238,26 @@ Tensor dequantize_weights(const Tensor& weights, const Tensor& scale_inv, DType 
   return out;
 }
 
+namespace {
+
+// The e4m3 value nearest to v (ties to even, saturating at +-448, NaN kept) as a float: what
+// to_float(from_float<f8_e4m3>(v)) gives, written without branches so that the activation loop vectorises.
+// Normal range: round the float's mantissa to 3 bits in place. Below 2^-6 e4m3 steps by 2^-9: adding 2^14
+// puts the float's last mantissa bit at 2^-9, so the addition itself rounds to nearest even there.
+inline float round_to_e4m3(float v) {
+  const float a = std::fabs(v);
+  uint32_t bits = std::bit_cast<uint32_t>(a);
+  bits = (bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u;
+  const float normal = std::bit_cast<float>(bits);
+  const float subnormal = (a + 16384.0f) - 16384.0f;
+  float r = a < 0x1p-6f ? subnormal : normal;
+  r = r > kE4m3Max ? kE4m3Max : r;  // false for NaN: NaN goes through
+  r = a != a ? a : r;
+  return std::copysign(r, v);
+}
+
+}  // namespace
+
 void quantize_activations(const float* x, int64_t n, bool power_of_two_scales, float* dequantized, f8_e4m3* codes,
                           float* scales) {
   for (int64_t g0 = 0; g0 < n; g0 += kActivationGroupSize) {
@@ -245,12 +266,14 @@ void quantize_activations(const float* x, int64_t n, bool power_of_two_scales, f
     for (int64_t i = g0; i < g1; ++i) amax = std::max(amax, std::fabs(x[i]));
     const float scale = block_scale(amax, kE4m3Max, power_of_two_scales);
     if (scales) scales[g0 / kActivationGroupSize] = scale;
-    for (int64_t i = g0; i < g1; ++i) {
-      const f8_e4m3 q = from_float<f8_e4m3>(x[i] / scale);
-      if (codes) codes[i] = q;
-      dequantized[i] = to_float(q) * scale;
-    }
+    if (codes)
+      for (int64_t i = g0; i < g1; ++i) codes[i] = from_float<f8_e4m3>(x[i] / scale);
+    for (int64_t i = g0; i < g1; ++i) dequantized[i] = round_to_e4m3(x[i] / scale) * scale;
   }
+}
+
+float round_to_e4m3_value(float v) {
+  return round_to_e4m3(v);
 }
 
 }  // namespace moekit
