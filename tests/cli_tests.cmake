@@ -111,3 +111,16 @@ add_cli_test(cli_generate_builtin EXPECT success
                       "prefill: 15 tokens" "decode:  7 tokens" "stopped: max new tokens after 8 new tokens"
              ARGS generate --prompt "Hello, experts!" --max-new-tokens 8 --ignore-eos)
 set_tests_properties(cli_generate_builtin PROPERTIES ENVIRONMENT "XDG_CACHE_HOME=${CMAKE_CURRENT_BINARY_DIR}/cache")
+# Quantised weights in the benchmark: every CPU backend times FP8 and FP4 experts on a small custom layer, and
+# the printed header names the weight storage (so a row never passes for bf16).
+foreach(weights fp8 fp8-ue8m0 fp4)
+  add_cli_test(cli_bench_weights_${weights} EXPECT success
+               PATTERNS "--weights ${weights}" "${weights} \\(fp[48]_e[24]m[31], (f32|ue8m0) scales; bf16 activations\\)"
+                        "custom +1  batched_mm +[0-9.]+ " "custom +16  grouped_mm +[0-9.]+ " "custom +16  eager +[0-9.]+ "
+               ARGS bench --shape custom --hidden 256 --intermediate 96 --experts 8 --top-k 2 --tokens 1,16
+                    --weights ${weights} --repeats 2 --warmup 1 --memory-bandwidth-gbs 10
+                    --json ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_${weights}.json
+                    --plot ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_${weights}.svg)
+endforeach()
+add_cli_test(cli_bench_weights_unknown EXPECT failure PATTERNS "--weights" "int4"
+             ARGS bench --weights int4)

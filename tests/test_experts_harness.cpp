@@ -18,6 +18,7 @@
 
 #include "harness.h"
 #include "moekit/experts.h"
+#include "moekit/quantization.h"
 #include "moekit/random_problem.h"
 #include "moekit/reference.h"
 
@@ -156,6 +157,52 @@ std::vector<HarnessCase> harness_cases() {
       add("large", sized(300, 160, 96, 16, 4, dtype, nc.config));
     }
 
+  // Quantised weights (DESIGN §3): FP8 with f32 and with ue8m0 scales, FP4; activations quantised on the fly.
+  // Quantised weights are untransposed, so GPT-OSS's layout appears here untransposed (still clamped,
+  // biased and interleaved). Sizes leave partial blocks: H = 200 and I = 150 are not multiples of 128 (FP8)
+  // or 32 (FP4); the large case has several full blocks per expert and a partial one in each dimension.
+  struct WeightChoice {
+    const char* name;
+    WeightFormat format;
+    DType scale_dtype;
+  };
+  const WeightChoice weight_choices[] = {{"fp8", WeightFormat::fp8_e4m3, DType::f32},
+                                         {"fp8ue8m0", WeightFormat::fp8_e4m3, DType::ue8m0},
+                                         {"fp4", WeightFormat::fp4_e2m1, DType::ue8m0}};
+  const NamedConfig quantized_configs[] = {
+      {"swiglu", make_config(kActivations[0], true, false, false, true)},
+      {"gptoss", make_config(kActivations[5], true, true, false, false)},
+      {"relu2_nogate", make_config(kActivations[4], false, false, false, true)},
+  };
+  for (const auto& w : weight_choices)
+    for (DType dtype : kDTypes)
+      for (const auto& nc : quantized_configs) {
+        // Every configuration in bf16 (what quantised checkpoints run with); SwiGLU alone in f32 and f16.
+        if (dtype != DType::bf16 && std::string_view(nc.name) != "swiglu") continue;
+        const std::string suffix =
+            std::string("_").append(w.name).append("_").append(dtype_name(dtype)).append("_").append(nc.name);
+        auto add = [&](const char* name, RandomProblemOptions o, std::vector<int64_t> all_sentinel_tokens = {}) {
+          o.config.quantization.weights = w.format;
+          o.scale_dtype = w.scale_dtype;
+          cases.push_back({std::string(name).append(suffix), o, std::move(all_sentinel_tokens)});
+        };
+        auto base = [&](int64_t tokens, int64_t experts, int64_t top_k) {
+          return sized(tokens, 200, 150, experts, top_k, dtype, nc.config);
+        };
+        add("partial_blocks", base(7, 5, 3));
+        RandomProblemOptions o = base(16, 8, 2);
+        o.used_experts = 3;
+        add("empty_experts", o);
+        add("top1", base(16, 8, 1));
+        add("one_token", base(1, 8, 2));
+        add("no_tokens", base(0, 8, 2));
+        o = base(24, 6, 3);
+        o.sentinel_fraction = 0.3;
+        add("sentinels", o, {0, 13, 23});
+        add("decode_many_experts", sized(3, 256, 128, 64, 8, dtype, nc.config));
+        add("large", sized(300, 264, 136, 16, 4, dtype, nc.config));
+      }
+
   // Fresh random inputs per case.
   for (std::size_t i = 0; i < cases.size(); ++i) cases[i].options.seed = 1000 + i;
   return cases;
@@ -164,6 +211,10 @@ std::vector<HarnessCase> harness_cases() {
 const std::vector<HarnessCase>& all_cases() {
   static const std::vector<HarnessCase> cases = harness_cases();
   return cases;
+}
+
+test::Tolerance tolerance_of(const HarnessCase& c) {
+  return test::tolerance_for(c.options.dtype, c.options.config.quantization.quantized());
 }
 
 void set_id(ExpertsProblem& p, int64_t token, int64_t slot, int64_t id) {
@@ -290,7 +341,7 @@ TEST_P(ExpertsHarness, MatchesReference) {
   }
   synchronize(p.device);
   const Tensor host = out.to(Device::cpu());
-  const test::Comparison c = test::compare_with_reference(host, reference, test::tolerance_for(p.c.options.dtype));
+  const test::Comparison c = test::compare_with_reference(host, reference, tolerance_of(p.c));
   EXPECT_TRUE(c.passed()) << c.summary() << "\n  " << where;
   // Kept in --gtest_output=xml so that the margin to the tolerance can be followed over time.
   RecordProperty("overall_rel", (std::ostringstream() << c.overall_rel).str());
@@ -350,8 +401,7 @@ TEST_P(ExpertsHarnessChecks, WrongExpertIsCaught) {
   if (!support) GTEST_SKIP() << p.backend << " declines this problem (MatchesReference reports it): " << support.reason;
   Tensor out = test::poisoned_output(problem, p.device);
   experts_forward(problem, p.backend, out);
-  const test::Comparison c =
-      test::compare_with_reference(out.to(Device::cpu()), reference, test::tolerance_for(p.c.options.dtype));
+  const test::Comparison c = test::compare_with_reference(out.to(Device::cpu()), reference, tolerance_of(p.c));
   EXPECT_FALSE(c.passed()) << "a wrong expert for token " << token << " went unnoticed: " << c.summary();
   EXPECT_FALSE(c.per_token_ok());
   // The token shows either as the worst relative error or, when its true output is zero (all its other slots
@@ -359,8 +409,15 @@ TEST_P(ExpertsHarnessChecks, WrongExpertIsCaught) {
   EXPECT_TRUE(c.worst_token == token || c.worst_zero_row == token) << c.summary();
 }
 
-const std::vector<std::string> kCheckedCases = {"large_f32_swiglu", "large_f16_gptoss", "large_bf16_swiglu",
-                                                "sentinels_bf16_relu2_nogate", "odd_sizes_bf16_gptoss"};
+const std::vector<std::string> kCheckedCases = {"large_f32_swiglu",
+                                                "large_f16_gptoss",
+                                                "large_bf16_swiglu",
+                                                "sentinels_bf16_relu2_nogate",
+                                                "odd_sizes_bf16_gptoss",
+                                                "large_fp8_bf16_swiglu",
+                                                "large_fp8ue8m0_f32_swiglu",
+                                                "partial_blocks_fp4_bf16_gptoss",
+                                                "sentinels_fp8_bf16_relu2_nogate"};
 
 INSTANTIATE_TEST_SUITE_P(Cpu, ExpertsHarnessChecks, ::testing::ValuesIn(params_for(Device::cpu(), kCheckedCases)),
                          param_name);
@@ -390,6 +447,35 @@ TEST(ExpertsHarnessCheck, GlobalNormHidesAWrongExpertThePerTokenCheckDoesNot) {
   const Tensor good =
       test::tensor_of(std::vector<float>(reference.begin(), reference.end()), {o.tokens, o.hidden}, DType::bf16);
   EXPECT_TRUE(test::compare_with_reference(good, reference, test::tolerance_for(DType::bf16)).passed());
+}
+
+// The quantised cases' tolerance (test::tolerance_for) must be tight enough to fail a backend that quantises
+// the weights but not the activations: the reference of the same weights without the activation
+// quantisation, compared as a backend's output, fails on every quantised large case.
+TEST(ExpertsHarnessCheck, SkippedActivationQuantisationIsCaught) {
+  int checked = 0;
+  for (const HarnessCase& c : all_cases()) {
+    if (!c.options.config.quantization.quantized() || c.name.rfind("large_", 0) != 0) continue;
+    const ExpertsProblem q = make_case_problem(c);
+    ExpertsProblem d = q;  // the same weights, dequantised exactly (f32), activations left alone
+    d.config.quantization = {};
+    d.gate_up_proj = dequantize_weights(q.gate_up_proj, q.gate_up_proj_scale_inv, DType::f32);
+    d.down_proj = dequantize_weights(q.down_proj, q.down_proj_scale_inv, DType::f32);
+    d.gate_up_proj_scale_inv = d.down_proj_scale_inv = Tensor();
+    d.hidden_states = q.hidden_states.to(DType::f32);
+    if (d.config.has_bias) {
+      d.gate_up_proj_bias = q.gate_up_proj_bias.to(DType::f32);
+      d.down_proj_bias = q.down_proj_bias.to(DType::f32);
+    }
+    d.top_k_weights = q.top_k_weights.to(DType::f32);
+    const std::vector<double> skipped = experts_reference(d);
+    const Tensor out = test::tensor_of(std::vector<float>(skipped.begin(), skipped.end()),
+                                       {c.options.tokens, c.options.hidden}, DType::f32);
+    const test::Comparison cmp = test::compare_with_reference(out, reference_of(c), tolerance_of(c));
+    EXPECT_FALSE(cmp.passed()) << c.name << ": " << cmp.summary();
+    ++checked;
+  }
+  EXPECT_GE(checked, 5);
 }
 
 // NaN never passes, not even one element, and neither does an output left as the poison.

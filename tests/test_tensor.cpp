@@ -565,7 +565,7 @@ TEST(Tensor, ToDType) {
   EXPECT_TRUE(tr.is_contiguous());
   EXPECT_EQ(values_of(tr), values_of(iota_tensor().transpose(0, 1).contiguous()));
 
-  EXPECT_TRUE(throws_error_with([&] { t.to(DType::u8); }, {"expected an index dtype", "u8"}));
+  EXPECT_TRUE(throws_error_with([&] { t.to(DType::u8); }, {"an index dtype (i32, i64) to convert to", "got u8"}));
 }
 
 TEST(Tensor, DataAsChecksTheType) {

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "moekit/quantization.h"
 #include "moekit/tensor.h"
 
 namespace moekit {
@@ -37,12 +38,15 @@ struct ExpertsConfig {
   // g = min(g, limit); u = clamp(u, -limit, limit); h = (u + 1) * g * sigmoid(alpha * g).
   std::optional<float> swiglu_limit;
   float swiglu_alpha = 1.702f;
+  // Block-quantised weights (DESIGN §3, quantization.h); the default is not quantised. Quantised weights
+  // are untransposed ([E, N, K], as FP8/FP4 checkpoints store them) and come with their scale_inv tensors.
+  QuantizationConfig quantization;
 
   std::string describe() const;
 };
 
 // The whole input of one experts call. Tensors must share one device. Biases are undefined tensors
-// unless config.has_bias.
+// unless config.has_bias; scales are undefined unless config.quantization says the weights are quantised.
 struct ExpertsProblem {
   Tensor hidden_states;      // [T, H] f32 | f16 | bf16
   Tensor top_k_index;        // [T, K] i32 | i64
@@ -51,6 +55,12 @@ struct ExpertsProblem {
   Tensor down_proj;          // [E, H, I] ([E, I, H] transposed)
   Tensor gate_up_proj_bias;  // [E, 2I] ([E, I] without gate)
   Tensor down_proj_bias;     // [E, H]
+  // Quantised weights: gate_up_proj is f8_e4m3 [E, N, H] or f4_e2m1 [E, N, H/2] (N = 2I, or I without
+  // gate), down_proj f8_e4m3 [E, H, I] or f4_e2m1 [E, H, I/2], and these hold their scales:
+  // FP8 [E, ceil(N/128), ceil(H/128)] and [E, ceil(H/128), ceil(I/128)], f32 or ue8m0 (both the same);
+  // FP4 [E, N, ceil(H/32)] and [E, H, ceil(I/32)], ue8m0.
+  Tensor gate_up_proj_scale_inv;
+  Tensor down_proj_scale_inv;
   ExpertsConfig config;
 };
 

@@ -43,6 +43,7 @@ struct BenchOptions {
   std::vector<int64_t> tokens{1, 8, 64, 512, 4096};
   std::vector<std::string> backends{"eager", "batched_mm", "grouped_mm"};
   std::string dtype = "bf16";
+  std::string weights = "bf16";
   std::string device = "cpu";
   int warmup = 3;
   int repeats = 0;
@@ -294,18 +295,43 @@ std::vector<BenchShape> resolve_shapes(BenchOptions& o, const CLI::App& cmd) {
   return shapes;
 }
 
+// How the expert weights are stored (--weights): unquantised in the activation dtype, or block-quantised.
+struct WeightStorage {
+  WeightFormat format = WeightFormat::none;
+  DType scale_dtype = DType::f32;
+};
+
+WeightStorage parse_weight_storage(const std::string& name) {
+  if (name == "fp8") return {WeightFormat::fp8_e4m3, DType::f32};
+  if (name == "fp8-ue8m0") return {WeightFormat::fp8_e4m3, DType::ue8m0};
+  if (name == "fp4") return {WeightFormat::fp4_e2m1, DType::ue8m0};
+  MOEKIT_CHECK(name == "bf16", "unknown --weights '", name, "'; valid: bf16, fp8, fp8-ue8m0, fp4");
+  return {};
+}
+
+// Bytes of one projection's stored weights [E, N, K] and their scales.
+double projection_bytes(const WeightStorage& w, DType dtype, int64_t experts, int64_t rows, int64_t cols) {
+  const double values = static_cast<double>(experts) * static_cast<double>(rows) * static_cast<double>(cols);
+  if (w.format == WeightFormat::none) return values * static_cast<double>(dtype_size(dtype));
+  const Shape scales = weight_scale_shape(w.format, experts, rows, cols);
+  const double scale_count = static_cast<double>(scales[0] * scales[1] * scales[2]);
+  return values * (w.format == WeightFormat::fp4_e2m1 ? 0.5 : 1.0) +
+         scale_count * static_cast<double>(dtype_size(w.scale_dtype));
+}
+
 // Bytes a shape holds for the whole sweep, before any backend's workspace.
 struct MemoryNeed {
-  double weights = 0;      // gate_up_proj + down_proj
+  double weights = 0;      // gate_up_proj + down_proj (and their scales when quantised)
   double activations = 0;  // hidden states, output and routing at the largest token count
 };
 
-MemoryNeed memory_need(const BenchShape& s, DType dtype, int64_t max_tokens) {
+MemoryNeed memory_need(const BenchShape& s, DType dtype, const WeightStorage& w, int64_t max_tokens) {
   const double d = static_cast<double>(dtype_size(dtype));
-  const double H = static_cast<double>(s.hidden), I = static_cast<double>(s.intermediate);
+  const double H = static_cast<double>(s.hidden);
   const double T = static_cast<double>(max_tokens), K = static_cast<double>(s.top_k);
   MemoryNeed need;
-  need.weights = static_cast<double>(s.experts) * 3.0 * H * I * d;
+  need.weights = projection_bytes(w, dtype, s.experts, 2 * s.intermediate, s.hidden) +
+                 projection_bytes(w, dtype, s.experts, s.hidden, s.intermediate);
   // Hidden states and output, plus two routings (the problem's own and one redrawn per token count),
   // each with i64 ids and f32 weights.
   need.activations = 2.0 * T * H * d + 2.0 * T * K * (8.0 + 4.0);
@@ -330,8 +356,11 @@ class ZeroPages {
   void* data_;
 };
 
-RandomProblemOptions problem_options(const BenchShape& s, DType dtype, int64_t tokens, uint64_t seed) {
+RandomProblemOptions problem_options(const BenchShape& s, DType dtype, const WeightStorage& w, int64_t tokens,
+                                     uint64_t seed) {
   RandomProblemOptions r;
+  r.config.quantization.weights = w.format;
+  r.scale_dtype = w.scale_dtype;
   r.tokens = tokens;
   r.hidden = s.hidden;
   r.intermediate = s.intermediate;
@@ -343,17 +372,31 @@ RandomProblemOptions problem_options(const BenchShape& s, DType dtype, int64_t t
 }
 
 // The largest workspace any of the backends asks for at the largest token count, and whose it is.
-std::pair<std::size_t, std::string> largest_workspace(const BenchShape& s, DType dtype, Device device,
-                                                      int64_t max_tokens, const std::vector<std::string>& backends) {
-  const RandomProblemOptions o = problem_options(s, dtype, max_tokens, 0);
+std::pair<std::size_t, std::string> largest_workspace(const BenchShape& s, DType dtype, const WeightStorage& w,
+                                                      Device device, int64_t max_tokens,
+                                                      const std::vector<std::string>& backends) {
+  const RandomProblemOptions o = problem_options(s, dtype, w, max_tokens, 0);
   const auto d = static_cast<std::size_t>(dtype_size(dtype));
   const auto weight_elems = static_cast<std::size_t>(s.experts * 2 * s.intermediate * s.hidden);
   const auto hidden_elems = static_cast<std::size_t>(max_tokens * s.hidden);
   ZeroPages zeros(std::max(weight_elems, hidden_elems) * d);
   ExpertsProblem p;
   p.hidden_states = Tensor::from_blob(zeros.data(), {max_tokens, s.hidden}, dtype, device);
-  p.gate_up_proj = Tensor::from_blob(zeros.data(), {s.experts, 2 * s.intermediate, s.hidden}, dtype, device);
-  p.down_proj = Tensor::from_blob(zeros.data(), {s.experts, s.hidden, s.intermediate}, dtype, device);
+  if (w.format == WeightFormat::none) {
+    p.gate_up_proj = Tensor::from_blob(zeros.data(), {s.experts, 2 * s.intermediate, s.hidden}, dtype, device);
+    p.down_proj = Tensor::from_blob(zeros.data(), {s.experts, s.hidden, s.intermediate}, dtype, device);
+  } else {
+    // Quantised weights and scales take no more bytes than the unquantised weights the zeros cover.
+    const DType q = w.format == WeightFormat::fp8_e4m3 ? DType::f8_e4m3 : DType::f4_e2m1;
+    const int64_t N = 2 * s.intermediate, H = s.hidden, I = s.intermediate, E = s.experts;
+    p.config.quantization.weights = w.format;
+    p.gate_up_proj = Tensor::from_blob(zeros.data(), quantized_weight_shape(w.format, E, N, H), q, device);
+    p.down_proj = Tensor::from_blob(zeros.data(), quantized_weight_shape(w.format, E, H, I), q, device);
+    p.gate_up_proj_scale_inv =
+        Tensor::from_blob(zeros.data(), weight_scale_shape(w.format, E, N, H), w.scale_dtype, device);
+    p.down_proj_scale_inv =
+        Tensor::from_blob(zeros.data(), weight_scale_shape(w.format, E, H, I), w.scale_dtype, device);
+  }
   redraw_routing(p, o, 0);
   if (!device.is_cpu()) {
     p.top_k_index = p.top_k_index.to(device);
@@ -462,6 +505,8 @@ class Sweep {
   BenchOptions& o_;
   Device device_;
   DType dtype_;
+  WeightStorage weights_;
+  std::string weights_label_;  // "bf16 expert weights", "fp8 (e4m3, f32 scales) expert weights"
   double budget_bytes_ = 0;
   BenchReport report_;
   std::vector<BenchShape> shapes_;
@@ -473,7 +518,15 @@ class Sweep {
   std::map<std::string, std::pair<double, double>> previous_;
 };
 
-Sweep::Sweep(BenchCommand& state) : o_(state.options), device_(parse_device(o_.device)), dtype_(parse_dtype(o_.dtype)) {
+Sweep::Sweep(BenchCommand& state)
+    : o_(state.options),
+      device_(parse_device(o_.device)),
+      dtype_(parse_dtype(o_.dtype)),
+      weights_(parse_weight_storage(o_.weights)) {
+  weights_label_ = weights_.format == WeightFormat::none
+                       ? o_.dtype
+                       : o_.weights + " (" + std::string(weight_format_name(weights_.format)) + ", " +
+                             std::string(dtype_name(weights_.scale_dtype)) + " scales; " + o_.dtype + " activations)";
   stream_ = std::make_unique<DeviceStream>(device_);
   for (const std::string& name : o_.backends) ExpertsInterface::global().get(name);  // throws with the valid names
   MOEKIT_CHECK(!o_.tokens.empty() && !o_.backends.empty(), "--tokens and --backends need at least one value");
@@ -524,9 +577,11 @@ Sweep::Sweep(BenchCommand& state) : o_(state.options), device_(parse_device(o_.d
   report_.machine["load_average_at_start"] = load_at_start;
   report_.machine["started_utc"] = utc_timestamp();
   report_.unit = device_.is_cpu() ? FlopUnit{"GFLOP/s", 1e9} : FlopUnit{"TFLOP/s", 1e12};
-  report_.title = "moekit bench: " + o_.dtype + " on " + device_name(device_) + " (" +
-                  (cpu_model.empty() ? "unknown cpu" : cpu_model) + ", " + std::to_string(hardware_threads()) +
-                  " threads)";
+  report_.title =
+      "moekit bench: " +
+      (weights_.format == WeightFormat::none ? o_.dtype : o_.weights + " weights, " + o_.dtype + " activations") +
+      " on " + device_name(device_) + " (" + (cpu_model.empty() ? "unknown cpu" : cpu_model) + ", " +
+      std::to_string(hardware_threads()) + " threads)";
   report_.shapes = shapes_;
 
   std::printf("moekit bench %s\n", state.flags->command_line().c_str());
@@ -582,24 +637,25 @@ void Sweep::save() {
 
 void Sweep::run_shape(const BenchShape& shape) {
   const int64_t max_tokens = o_.tokens.back();
-  const MemoryNeed need = memory_need(shape, dtype_, max_tokens);
+  const MemoryNeed need = memory_need(shape, dtype_, weights_, max_tokens);
   if (need.weights > budget_bytes_) {
-    refuse(shape, shape.name + " needs " + gb(need.weights) + " of " + o_.dtype + " expert weights, more than the " +
-                      gb(budget_bytes_) + " available (--max-memory-gb); skipped");
+    refuse(shape, shape.name + " needs " + gb(need.weights) + " of " + weights_label_ +
+                      " expert weights, more than the " + gb(budget_bytes_) + " available (--max-memory-gb); skipped");
     return;
   }
   if (need.weights + need.activations > budget_bytes_) {
-    refuse(shape, shape.name + " needs " + gb(need.weights) + " of " + o_.dtype + " expert weights and " +
+    refuse(shape, shape.name + " needs " + gb(need.weights) + " of " + weights_label_ + " expert weights and " +
                       gb(need.activations) + " of activations at T=" + std::to_string(max_tokens) + ", more than the " +
                       gb(budget_bytes_) + " available (--max-memory-gb); skipped");
     return;
   }
-  const auto [max_workspace, workspace_owner] = largest_workspace(shape, dtype_, device_, max_tokens, o_.backends);
+  const auto [max_workspace, workspace_owner] =
+      largest_workspace(shape, dtype_, weights_, device_, max_tokens, o_.backends);
   progress_->clear();
   std::printf(
       "\n%s: H=%lld I=%lld E=%lld K=%lld, %s; %s expert weights + %s activations + %s workspace%s\n",
       shape.name.c_str(), static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
-      static_cast<long long>(shape.experts), static_cast<long long>(shape.top_k), o_.dtype.c_str(),
+      static_cast<long long>(shape.experts), static_cast<long long>(shape.top_k), weights_label_.c_str(),
       gb(need.weights).c_str(), gb(need.activations).c_str(), gb(static_cast<double>(max_workspace)).c_str(),
       workspace_owner.empty() ? "" : (" (" + workspace_owner + " at T=" + std::to_string(max_tokens) + ")").c_str());
   std::fflush(stdout);
@@ -607,16 +663,17 @@ void Sweep::run_shape(const BenchShape& shape) {
   // Weights are drawn once per shape at the largest token count; each token count shares them and gets the
   // first T hidden rows and a routing of its own.
   std::fprintf(stderr, "filling %s of random %s expert weights for %s ...\n", gb(need.weights).c_str(),
-               o_.dtype.c_str(), shape.name.c_str());
+               weights_label_.c_str(), shape.name.c_str());
   // base stays on the CPU (its routing statistics are read there); the weights go to the device once.
-  const ExpertsProblem base = make_random_problem(problem_options(shape, dtype_, max_tokens, o_.seed));
+  const ExpertsProblem base = make_random_problem(problem_options(shape, dtype_, weights_, max_tokens, o_.seed));
   const Tensor device_up = base.gate_up_proj.to(device_), device_down = base.down_proj.to(device_);
   table_->print_header();
   previous_.clear();
   for (const int64_t tokens : o_.tokens) {
     ExpertsProblem problem = base;
     problem.hidden_states = base.hidden_states.slice(0, 0, tokens);
-    redraw_routing(problem, problem_options(shape, dtype_, tokens, o_.seed), o_.seed + static_cast<uint64_t>(tokens));
+    redraw_routing(problem, problem_options(shape, dtype_, weights_, tokens, o_.seed),
+                   o_.seed + static_cast<uint64_t>(tokens));
     const BenchRow shared = case_row(shape, problem, base);  // reads the ids while they are on the CPU
     if (!device_.is_cpu()) {
       problem.hidden_states = problem.hidden_states.to(device_);
@@ -624,6 +681,10 @@ void Sweep::run_shape(const BenchShape& shape) {
       problem.top_k_weights = problem.top_k_weights.to(device_);
       problem.gate_up_proj = device_up;
       problem.down_proj = device_down;
+      if (problem.gate_up_proj_scale_inv.defined()) {  // small: copied per token count
+        problem.gate_up_proj_scale_inv = problem.gate_up_proj_scale_inv.to(device_);
+        problem.down_proj_scale_inv = problem.down_proj_scale_inv.to(device_);
+      }
     }
     std::vector<BenchRow> group;
     for (const std::string& name : o_.backends) {
@@ -650,9 +711,12 @@ BenchRow Sweep::case_row(const BenchShape& shape, const ExpertsProblem& problem,
   row.routed_pairs = pairs;
   row.experts_touched = touched;
   row.flops = experts_flops(sizes, problem.config.has_gate, pairs);
-  // DESIGN §7's floor: every touched expert's weights read once, hidden states read and output written once.
-  const double expert_bytes =
-      static_cast<double>(base.gate_up_proj.nbytes() + base.down_proj.nbytes()) / static_cast<double>(sizes.experts);
+  // DESIGN §7's floor: every touched expert's weights read once (quantised: their stored bytes and scales),
+  // hidden states read and output written once.
+  auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<double>(t.nbytes()) : 0.0; };
+  const double expert_bytes = (bytes(base.gate_up_proj) + bytes(base.down_proj) + bytes(base.gate_up_proj_scale_inv) +
+                               bytes(base.down_proj_scale_inv)) /
+                              static_cast<double>(sizes.experts);
   const double row_bytes = static_cast<double>(sizes.hidden) * static_cast<double>(dtype_size(dtype_));
   row.floor_bytes = static_cast<double>(touched) * expert_bytes + static_cast<double>(sizes.tokens) * row_bytes * 2.0;
   row.floor_ms = row.floor_bytes / (o_.memory_bandwidth_gbs * 1e9) * 1e3;
@@ -747,7 +811,13 @@ void add_bench_command(CLI::App& app) {
   f.add("--top-k", o.top_k, "K experts per token; 0 keeps the preset's")->check(at_least(0));
   f.add("--tokens", o.tokens, "Token counts T, comma-separated or repeated")->delimiter(',')->check(at_least(1));
   f.add("--backends", o.backends, "Backends to time, comma-separated or repeated")->delimiter(',');
-  f.add("--dtype", o.dtype, "Activation and weight dtype")->check(CLI::IsMember({"bf16", "f16", "f32"}));
+  f.add("--dtype", o.dtype, "Activation dtype (and weight dtype with --weights bf16)")
+      ->check(CLI::IsMember({"bf16", "f16", "f32"}));
+  f.add("--weights", o.weights,
+        "Expert weights: bf16 = unquantised, stored in --dtype; fp8 = e4m3 with f32 128x128 block scales; "
+        "fp8-ue8m0 = e4m3 with ue8m0 block scales; fp4 = e2m1 pairs with a ue8m0 scale per 32. Quantised runs "
+        "quantise activations per token and 128-wide group; the floor counts the stored bytes and scales")
+      ->check(CLI::IsMember({"bf16", "fp8", "fp8-ue8m0", "fp4"}));
   f.add("--device", o.device, "cpu, cuda or cuda:N");
   f.add("--warmup", o.warmup, "Untimed calls per case before timing (stops early once they use the case's time budget)")
       ->check(at_least(0));

@@ -2,6 +2,9 @@
 // they lie (no copies, no packing), as a pair of matrix-vector products. Built for few tokens
 // (decode), where reading the chosen experts' weights once is all the work there is. Memory is
 // bounded at any token count: tokens run in blocks, each block's pairs in a fixed-size workspace.
+// Quantised weights (FP8, FP4) are read in their stored bytes by the quantised gemv, which converts them
+// in registers, so decode reads half (FP8) or a quarter (FP4) of bf16's bytes; activations are quantised
+// per token (and per pair, for the down projection's input) right before each projection.
 #include <algorithm>
 
 #include "moekit/backends/builtin_backends.h"
@@ -9,6 +12,7 @@
 #include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
 #include "moekit/cpu/gemv.h"
+#include "moekit/cpu/quantized_gemv.h"
 
 namespace moekit::backends {
 namespace {
@@ -19,8 +23,14 @@ constexpr int64_t kTokensPerBlock = 16;
 // both cores several tasks.
 constexpr int64_t kBytesPerTask = int64_t{1} << 20;
 
-int64_t rows_per_task(int64_t row_elements, std::size_t element_bytes) {
-  return std::max<int64_t>(16, kBytesPerTask / (row_elements * static_cast<int64_t>(element_bytes)));
+int64_t rows_per_task(int64_t row_bytes) {
+  return std::max<int64_t>(16, kBytesPerTask / std::max<int64_t>(row_bytes, 1));
+}
+
+// Bytes of one stored weight row of k_len inputs.
+int64_t row_bytes(const cpu::ExpertLayout& l, DType activation_dtype, int64_t k_len) {
+  if (!l.quantized) return k_len * static_cast<int64_t>(dtype_size(activation_dtype));
+  return l.gate_up.dtype() == DType::f4_e2m1 ? k_len / 2 : k_len;
 }
 
 class BatchedMm final : public PortableBackend {
@@ -59,6 +69,7 @@ class BatchedMm final : public PortableBackend {
       for (int64_t t0 = 0; t0 < T; t0 += block) {
         const int64_t tb = std::min(block, T - t0);
         for (int64_t i = 0; i < tb * H; ++i) x[i] = to_float(xs[t0 * H + i]);
+        for (int64_t t = 0; t < tb; ++t) layout.activations.apply(x + t * H, H);
         // Pairs of this block routed to a real expert.
         std::vector<int64_t> pairs;
         for (int64_t q = t0 * K; q < (t0 + tb) * K; ++q)
@@ -68,7 +79,8 @@ class BatchedMm final : public PortableBackend {
         auto local = [&](int64_t i) { return pairs[static_cast<std::size_t>(i)] - t0 * K; };
 
         // Up (or gate and up) projection, then bias and activation per pair.
-        const int64_t up_rows = rows_per_task(H, sizeof(A)), down_rows = rows_per_task(I, sizeof(A));
+        const int64_t up_rows = rows_per_task(row_bytes(layout, p.hidden_states.dtype(), H));
+        const int64_t down_rows = rows_per_task(row_bytes(layout, p.hidden_states.dtype(), I));
         const int64_t up_tasks = (N + up_rows - 1) / up_rows;
 #pragma omp parallel for schedule(dynamic)
         for (int64_t task = 0; task < P * up_tasks; ++task) {
@@ -76,8 +88,12 @@ class BatchedMm final : public PortableBackend {
           const int64_t nn = std::min(up_rows, N - n0);
           const int64_t q = local(i);
           const float* xt = x + (q / K) * H;
-          const cpu::MatrixView w = layout.up_matrix(expert(i));
           float* y = projected + q * N + n0;
+          if (layout.quantized) {
+            cpu::gemv_rows_quantized(layout.up_quantized(expert(i)), n0, 1, xt, y, nn, H);
+            continue;
+          }
+          const cpu::MatrixView w = layout.up_matrix(expert(i));
           if (layout.is_transposed)
             cpu::gemv_cols(static_cast<const A*>(w.at(n0, 0)), N, xt, y, nn, H);
           else
@@ -91,6 +107,7 @@ class BatchedMm final : public PortableBackend {
           const int64_t gate_stride = layout.is_concatenated ? 1 : 2;
           cpu::apply_activation(p.config, g + layout.gate_column(0), gate_stride, g + layout.up_column(0), gate_stride,
                                 I, hidden + q * I);
+          layout.activations.apply(hidden + q * I, I);
         }
         // Down projection, then bias.
         const int64_t down_tasks = (H + down_rows - 1) / down_rows;
@@ -99,8 +116,13 @@ class BatchedMm final : public PortableBackend {
           const int64_t i = task / down_tasks, h0 = task % down_tasks * down_rows;
           const int64_t hn = std::min(down_rows, H - h0);
           const int64_t q = local(i);
-          const cpu::MatrixView w = layout.down_matrix(expert(i));
           float* y = down + q * H + h0;
+          if (layout.quantized) {
+            cpu::gemv_rows_quantized(layout.down_quantized(expert(i)), h0, 1, hidden + q * I, y, hn, I);
+            cpu::add_bias(layout.down_bias, expert(i), h0, hn, y);
+            continue;
+          }
+          const cpu::MatrixView w = layout.down_matrix(expert(i));
           if (layout.is_transposed)
             cpu::gemv_cols(static_cast<const A*>(w.at(h0, 0)), H, hidden + q * I, y, hn, I);
           else

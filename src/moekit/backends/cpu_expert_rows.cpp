@@ -1,8 +1,19 @@
 #include "moekit/backends/cpu_expert_rows.h"
 
+#include "moekit/cpu/activation_math.h"
+#include "moekit/quantization.h"
+
 namespace moekit::cpu {
 
-ExpertLayout::ExpertLayout(const ExpertsProblem& p) {
+ActivationQuantization::ActivationQuantization(const ExpertsProblem& p)
+    : enabled(p.config.quantization.quantized()),
+      power_of_two(enabled && p.gate_up_proj_scale_inv.dtype() == DType::ue8m0) {}
+
+void ActivationQuantization::apply(float* values, int64_t n) const {
+  if (enabled) quantize_activations(values, n, power_of_two, values);
+}
+
+ExpertLayout::ExpertLayout(const ExpertsProblem& p) : activations(p) {
   const ExpertsShape s = validate(p);
   hidden = s.hidden;
   intermediate = s.intermediate;
@@ -17,6 +28,35 @@ ExpertLayout::ExpertLayout(const ExpertsProblem& p) {
   down = p.down_proj;
   gate_up_bias = p.gate_up_proj_bias;
   down_bias = p.down_proj_bias;
+  quantized = p.config.quantization.quantized();
+  gate_up_scale = p.gate_up_proj_scale_inv;
+  down_scale = p.down_proj_scale_inv;
+}
+
+namespace {
+
+// Expert e of quantised weights [E, rows, cols] with scales [E, ...].
+QuantizedMatrix quantized_matrix(const Tensor& w, const Tensor& scale, int64_t e, int64_t rows, int64_t cols) {
+  QuantizedMatrix m;
+  m.fp4 = w.dtype() == DType::f4_e2m1;
+  m.row_bytes = m.fp4 ? cols / 2 : cols;
+  m.data = static_cast<const uint8_t*>(w.data()) + e * rows * m.row_bytes;
+  m.ue8m0_scales = scale.dtype() == DType::ue8m0;
+  m.scale_ld = scale.size(2);
+  const int64_t per_expert = scale.size(1) * scale.size(2);
+  m.scales =
+      static_cast<const char*>(scale.data()) + static_cast<std::size_t>(e * per_expert) * dtype_size(scale.dtype());
+  return m;
+}
+
+}  // namespace
+
+QuantizedMatrix ExpertLayout::up_quantized(int64_t e) const {
+  return quantized_matrix(gate_up, gate_up_scale, e, up_outputs, hidden);
+}
+
+QuantizedMatrix ExpertLayout::down_quantized(int64_t e) const {
+  return quantized_matrix(down, down_scale, e, hidden, intermediate);
 }
 
 MatrixView ExpertLayout::up_matrix(int64_t e) const {
@@ -115,9 +155,32 @@ RowBuffers::RowBuffers(const ExpertsProblem& p, int64_t pad_rows) {
   y_bytes = aligned(static_cast<std::size_t>(max_rows * hidden) * sizeof(float));
 }
 
-void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst) {
+void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst,
+                 const ActivationQuantization& quantization) {
   const int64_t H = hidden_states.size(1);
   const auto rows = static_cast<int64_t>(row_token.size());
+  if (quantization.enabled) {  // through float: quantisation reads whole groups of the row
+#pragma omp parallel
+    {
+      std::vector<float> row(static_cast<std::size_t>(H));
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        visit_float_dtype(hidden_states.dtype(), [&](auto tag) {
+          using A = typename decltype(tag)::type;
+          const A* src = static_cast<const A*>(hidden_states.data()) + row_token[static_cast<std::size_t>(r)] * H;
+          for (int64_t h = 0; h < H; ++h) row[static_cast<std::size_t>(h)] = to_float(src[h]);
+        });
+        quantization.apply(row.data(), H);
+        if (dtype == GemmDType::bf16) {
+          bf16* d = static_cast<bf16*>(dst) + r * H;
+          for (int64_t h = 0; h < H; ++h) d[h] = from_float<bf16>(row[static_cast<std::size_t>(h)]);
+        } else {
+          std::copy(row.begin(), row.end(), static_cast<float*>(dst) + r * H);
+        }
+      }
+    }
+    return;
+  }
   visit_float_dtype(hidden_states.dtype(), [&](auto tag) {
     using A = typename decltype(tag)::type;
     const A* x = static_cast<const A*>(hidden_states.data());
@@ -151,6 +214,39 @@ void gather_weight_rows(const MatrixView& w, DType w_dtype, const std::vector<in
       }
     }
   });
+}
+
+void activate_into(const ExpertsConfig& config, const float* gate, int64_t gate_stride, const float* up,
+                   int64_t up_stride, int64_t n, const ActivationQuantization& quantization, GemmDType dtype, void* dst,
+                   float* scratch) {
+  if (quantization.enabled) {
+    apply_activation(config, gate, gate_stride, up, up_stride, n, scratch);
+    quantization.apply(scratch, n);
+    if (dtype == GemmDType::bf16)
+      for (int64_t j = 0; j < n; ++j) static_cast<bf16*>(dst)[j] = from_float<bf16>(scratch[j]);
+    else
+      std::copy(scratch, scratch + n, static_cast<float*>(dst));
+    return;
+  }
+  if (dtype == GemmDType::bf16)
+    apply_activation(config, gate, gate_stride, up, up_stride, n, static_cast<bf16*>(dst));
+  else
+    apply_activation(config, gate, gate_stride, up, up_stride, n, static_cast<float*>(dst));
+}
+
+void gather_weight_rows(const QuantizedMatrix& w, const std::vector<int64_t>& outputs, int64_t k_len, GemmDType dtype,
+                        void* dst) {
+  std::vector<float> row(static_cast<std::size_t>(k_len));
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const auto base = static_cast<int64_t>(i) * k_len;
+    if (dtype == GemmDType::bf16) {
+      dequantize_row(w, outputs[i], row.data(), k_len);
+      bf16* d = static_cast<bf16*>(dst) + base;
+      for (int64_t k = 0; k < k_len; ++k) d[k] = from_float<bf16>(row[static_cast<std::size_t>(k)]);
+    } else {
+      dequantize_row(w, outputs[i], static_cast<float*>(dst) + base, k_len);
+    }
+  }
 }
 
 }  // namespace moekit::cpu

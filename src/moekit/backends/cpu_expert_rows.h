@@ -6,6 +6,7 @@
 
 #include "moekit/backends/cpu_routing.h"
 #include "moekit/cpu/onednn_matmul.h"
+#include "moekit/cpu/quantized_gemv.h"
 #include "moekit/experts.h"
 
 namespace moekit::cpu {
@@ -23,19 +24,36 @@ struct MatrixView {
   }
 };
 
+// Whether a problem's activations are quantised before each projection (DESIGN §3: per token, per 128-wide
+// group, power-of-two scales with ue8m0 weight scales), and the one call that does it.
+struct ActivationQuantization {
+  bool enabled = false;
+  bool power_of_two = false;
+
+  explicit ActivationQuantization(const ExpertsProblem& p);
+  // values [0, n) become the values the products use (in place); nothing when not enabled. A group starts
+  // at values[0].
+  void apply(float* values, int64_t n) const;
+};
+
 // The layout of a problem's expert weights (DESIGN §2 flags resolved once).
 struct ExpertLayout {
   int64_t hidden = 0, intermediate = 0, experts = 0;
   int64_t up_outputs = 0;  // 2I with a gate, I without
   bool has_gate = true, is_concatenated = true, is_transposed = false, has_bias = false;
-  Tensor gate_up, down, gate_up_bias, down_bias;
+  bool quantized = false;  // block-quantised weights: use up_quantized / down_quantized, not the MatrixViews
+  Tensor gate_up, down, gate_up_bias, down_bias, gate_up_scale, down_scale;
+  ActivationQuantization activations;
 
   explicit ExpertLayout(const ExpertsProblem& p);
 
-  // gate_up_proj (or up_proj) of expert e as [up_outputs, H].
+  // gate_up_proj (or up_proj) of expert e as [up_outputs, H]; unquantised weights only.
   MatrixView up_matrix(int64_t e) const;
-  // down_proj of expert e as [H, I].
+  // down_proj of expert e as [H, I]; unquantised weights only.
   MatrixView down_matrix(int64_t e) const;
+  // The same projections of quantised weights, with their scales.
+  QuantizedMatrix up_quantized(int64_t e) const;
+  QuantizedMatrix down_quantized(int64_t e) const;
   // Output columns of the first projection holding gate j and up j.
   int64_t gate_column(int64_t j) const { return is_concatenated ? j : 2 * j; }
   int64_t up_column(int64_t j) const { return is_concatenated ? intermediate + j : 2 * j + 1; }
@@ -82,13 +100,24 @@ struct RowBuffers {
   char* extra(void* workspace) const { return reinterpret_cast<char*>(y(workspace)) + y_bytes; }
 };
 
-// dst [rows, H] in the gemm dtype (see onednn_matmul.h) = hidden_states[row_token[row]], converted.
-// Runs on all threads.
-void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst);
+// dst [rows, H] in the gemm dtype (see onednn_matmul.h) = hidden_states[row_token[row]], converted, and
+// quantised first where the problem's activations are. Runs on all threads.
+void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst,
+                 const ActivationQuantization& quantization);
+
+// dst [n] in the gemm dtype = act(gate, up) for n intermediate columns (see apply_activation), quantised
+// per 128-wide group first where the problem's activations are (the columns then start at a group
+// boundary). scratch holds n floats.
+void activate_into(const ExpertsConfig& config, const float* gate, int64_t gate_stride, const float* up,
+                   int64_t up_stride, int64_t n, const ActivationQuantization& quantization, GemmDType dtype, void* dst,
+                   float* scratch);
 
 // dst [count, k_len] in the gemm dtype: row i = output row outputs[i] of the weight matrix w (of
 // dtype w_dtype), converted. How weights in any layout become the rows oneDNN packs.
 void gather_weight_rows(const MatrixView& w, DType w_dtype, const std::vector<int64_t>& outputs, int64_t k_len,
                         GemmDType dtype, void* dst);
+// The same from quantised weights: row i = output row outputs[i] of w, dequantised and converted.
+void gather_weight_rows(const QuantizedMatrix& w, const std::vector<int64_t>& outputs, int64_t k_len, GemmDType dtype,
+                        void* dst);
 
 }  // namespace moekit::cpu

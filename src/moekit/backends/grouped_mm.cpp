@@ -4,6 +4,11 @@
 // the weights do) and reused by every call. The first projection's chunks hold gate and up columns
 // of the same intermediate columns side by side, so the activation runs right after each chunk's
 // product while its output is still in cache.
+// Quantised weights are dequantised into the gemm dtype as they are packed (once, like any packing), so
+// the products run at bf16 speed on exactly the dequantised weights; the packed copy costs bf16's memory
+// next to the quantised bytes. Decode-sized blocks read the quantised bytes in place (quantised gemv).
+// Activations are quantised per row as they are gathered, and the hidden rows per 128-wide chunk right
+// after the activation (a first-projection chunk is one activation group).
 #include <algorithm>
 #include <sstream>
 
@@ -12,6 +17,7 @@
 #include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
 #include "moekit/cpu/gemv.h"
+#include "moekit/quantization.h"
 
 namespace moekit::backends {
 namespace {
@@ -20,6 +26,7 @@ namespace {
 // columns per down-projection chunk: wide enough for oneDNN's kernels, narrow enough that an
 // expert gives both threads several tasks.
 constexpr int64_t kUpChunk = 128;
+static_assert(kUpChunk % kActivationGroupSize == 0, "activation groups must not straddle first-projection chunks");
 constexpr int64_t kDownChunk = 256;
 // Rows per product: larger blocks reuse each packed chunk more while it is in cache.
 constexpr int64_t kRowBlock = 512;
@@ -33,10 +40,16 @@ constexpr int64_t kRowRound = 16;
 // one-row product over the packed layout does not match (~25 vs ~32 GB/s here).
 constexpr int64_t kGemvRows = 2;
 
-// out[q] = w row (first + q * step) . v for q < count; w not transposed (rows contiguous).
-void gemv_weight_rows(const cpu::MatrixView& w, DType w_dtype, int64_t first, int64_t step, int64_t count,
+// out[q] = row (first + q * step) of expert e's first (up) or second projection . v for q < count; weights
+// not transposed (rows contiguous), read where they lie.
+void gemv_weight_rows(const cpu::ExpertLayout& l, bool up, int64_t e, int64_t first, int64_t step, int64_t count,
                       const float* v, int64_t k_len, float* out) {
-  visit_float_dtype(w_dtype, [&](auto tag) {
+  if (l.quantized) {
+    cpu::gemv_rows_quantized(up ? l.up_quantized(e) : l.down_quantized(e), first, step, v, out, count, k_len);
+    return;
+  }
+  const cpu::MatrixView w = up ? l.up_matrix(e) : l.down_matrix(e);
+  visit_float_dtype(up ? l.gate_up.dtype() : l.down.dtype(), [&](auto tag) {
     using W = typename decltype(tag)::type;
     cpu::gemv_rows(static_cast<const W*>(w.row(first)), w.stride_out * step, v, out, count, k_len);
   });
@@ -64,18 +77,23 @@ struct PackedProjection {
   }
 };
 
-std::string pack_key(const char* what, const Tensor& w, const cpu::ExpertLayout& l, cpu::GemmDType g) {
+// Quantised weights also name their scales' bytes: packing dequantises with them. (Writing into the scales
+// in place needs mark_modified() on the weights, as writing into the weights does.)
+std::string pack_key(const char* what, const Tensor& w, const Tensor& scale, const cpu::ExpertLayout& l,
+                     cpu::GemmDType g) {
   std::ostringstream os;
   os << "grouped_mm/" << what << "/" << static_cast<int>(g) << "/" << w.storage_offset_bytes() << "/"
      << shape_string(w.shape()) << "/" << dtype_name(w.dtype()) << "/" << l.has_gate << l.is_concatenated
      << l.is_transposed;
+  if (scale.defined()) os << "/scales@" << scale.data() << "/" << dtype_name(scale.dtype());
   return os.str();
 }
 
-// Packs chunk c of every expert in parallel; outputs_of(c) lists the weight rows of chunk c in order.
-template <typename MatrixOf, typename Outputs>
-std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t k_len, DType w_dtype, cpu::GemmDType g,
-                                       MatrixOf&& matrix_of, Outputs&& outputs_of) {
+// Packs chunk c of every expert in parallel; outputs_of(c) lists the weight rows of chunk c in order, and
+// gather(e, outputs, rows) writes those rows of expert e in the gemm dtype.
+template <typename Gather, typename Outputs>
+std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t k_len, cpu::GemmDType g,
+                                       Gather&& gather, Outputs&& outputs_of) {
   auto packed = std::make_shared<PackedProjection>();
   packed->per_expert = chunks;
   packed->chunks.resize(static_cast<std::size_t>(experts * chunks));
@@ -87,7 +105,7 @@ std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t 
       const int64_t e = task / chunks, c = task % chunks;
       const std::vector<int64_t> outputs = outputs_of(c);
       rows.resize(outputs.size() * static_cast<std::size_t>(k_len) * cpu::gemm_dtype_size(g));
-      cpu::gather_weight_rows(matrix_of(e), w_dtype, outputs, k_len, g, rows.data());
+      gather(e, outputs, rows.data());
       packed->chunks[static_cast<std::size_t>(task)] =
           std::make_unique<cpu::PackedWeights>(rows.data(), static_cast<int64_t>(outputs.size()), k_len, g);
     }
@@ -116,15 +134,14 @@ class GroupedMm final : public PortableBackend {
     const int64_t E = layout.experts, H = z.hidden, I = z.intermediate;
     const std::size_t g = cpu::gemm_dtype_size(z.gemm);
     const int64_t up_chunks = (I + kUpChunk - 1) / kUpChunk, down_chunks = (H + kDownChunk - 1) / kDownChunk;
-    const auto up = packed_up(layout, p.gate_up_proj.dtype(), z.gemm, up_chunks);
-    const auto down = packed_down(layout, p.down_proj.dtype(), z.gemm, down_chunks);
-    const DType w_dtype = p.gate_up_proj.dtype();
+    const auto up = packed_up(layout, z.gemm, up_chunks);
+    const auto down = packed_down(layout, z.gemm, down_chunks);
 
     char* x = z.x(workspace);
     char* hidden = z.hidden_rows(workspace);
     float* y = z.y(workspace);
     const int64_t rows = routing.rows();
-    cpu::gather_rows(p.hidden_states, routing.row_token, z.gemm, x);
+    cpu::gather_rows(p.hidden_states, routing.row_token, z.gemm, x, layout.activations);
     std::fill(x + static_cast<std::size_t>(rows * H) * g, x + static_cast<std::size_t>((rows + kRowRound) * H) * g, 0);
     std::fill(hidden + static_cast<std::size_t>(rows * I) * g,
               hidden + static_cast<std::size_t>((rows + kRowRound) * I) * g, 0);
@@ -142,7 +159,7 @@ class GroupedMm final : public PortableBackend {
 #pragma omp parallel
     {
       std::vector<float> scratch(static_cast<std::size_t>(rows_to_run(kRowBlock) * std::max(2 * kUpChunk, kDownChunk)));
-      std::vector<float> chunk_bias, row_f32;
+      std::vector<float> chunk_bias, row_f32, activated(static_cast<std::size_t>(kUpChunk));
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_blocks * up_chunks; ++task) {
         const Block& b = blocks[static_cast<std::size_t>(task / up_chunks)];
@@ -150,13 +167,14 @@ class GroupedMm final : public PortableBackend {
         const cpu::PackedWeights& w = up->at(b.e, c);
         const int64_t cols = w.n();  // 2 * width with a gate, width without
         if (b.rows <= kGemvRows && !layout.is_transposed) {
-          const cpu::MatrixView m = layout.up_matrix(b.e);
           const int64_t step = layout.is_concatenated ? 1 : 2;
           for (int64_t r = 0; r < b.rows; ++r) {
             const float* v = row_as_floats(x + static_cast<std::size_t>((b.first + r) * H) * g, H, z.gemm, row_f32);
             float* out_row = scratch.data() + r * cols;
-            gemv_weight_rows(m, w_dtype, layout.has_gate ? layout.gate_column(j0) : j0, step, width, v, H, out_row);
-            if (layout.has_gate) gemv_weight_rows(m, w_dtype, layout.up_column(j0), step, width, v, H, out_row + width);
+            gemv_weight_rows(layout, true, b.e, layout.has_gate ? layout.gate_column(j0) : j0, step, width, v, H,
+                             out_row);
+            if (layout.has_gate)
+              gemv_weight_rows(layout, true, b.e, layout.up_column(j0), step, width, v, H, out_row + width);
           }
         } else {
           w.multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(), cols);
@@ -176,10 +194,8 @@ class GroupedMm final : public PortableBackend {
           if (layout.has_bias)
             for (int64_t q = 0; q < cols; ++q) row[q] += chunk_bias[static_cast<std::size_t>(q)];
           char* dst = hidden + static_cast<std::size_t>((b.first + r) * I + j0) * g;
-          if (z.gemm == cpu::GemmDType::bf16)
-            cpu::apply_activation(p.config, row, 1, row + width, 1, width, reinterpret_cast<bf16*>(dst));
-          else
-            cpu::apply_activation(p.config, row, 1, row + width, 1, width, reinterpret_cast<float*>(dst));
+          cpu::activate_into(p.config, row, 1, row + width, 1, width, layout.activations, z.gemm, dst,
+                             activated.data());
         }
       }
       // The implicit barrier above: every hidden row is complete before the down projection.
@@ -193,7 +209,7 @@ class GroupedMm final : public PortableBackend {
           for (int64_t r = 0; r < b.rows; ++r) {
             const float* v =
                 row_as_floats(hidden + static_cast<std::size_t>((b.first + r) * I) * g, I, z.gemm, row_f32);
-            gemv_weight_rows(layout.down_matrix(b.e), w_dtype, h0, 1, cols, v, I, scratch.data() + r * cols);
+            gemv_weight_rows(layout, false, b.e, h0, 1, cols, v, I, scratch.data() + r * cols);
           }
         } else {
           w.multiply(hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), scratch.data(), cols);
@@ -209,34 +225,42 @@ class GroupedMm final : public PortableBackend {
   }
 
  private:
-  static std::shared_ptr<PackedProjection> packed_up(const cpu::ExpertLayout& l, DType w_dtype, cpu::GemmDType g,
-                                                     int64_t chunks) {
-    auto made = l.gate_up.storage()->attachment(pack_key("up", l.gate_up, l, g), [&]() -> std::shared_ptr<void> {
-      return pack(
-          l.experts, chunks, l.hidden, w_dtype, g, [&](int64_t e) { return l.up_matrix(e); },
-          [&](int64_t c) {
-            const int64_t j0 = c * kUpChunk, width = std::min(kUpChunk, l.intermediate - j0);
-            std::vector<int64_t> outputs;
-            for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.has_gate ? l.gate_column(j) : j);
-            if (l.has_gate)
-              for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.up_column(j));
-            return outputs;
-          });
+  // Writes rows `outputs` of expert e's first (up) or second projection in the gemm dtype: converted, or
+  // dequantised.
+  static auto row_gatherer(const cpu::ExpertLayout& l, bool up, int64_t k_len, cpu::GemmDType g) {
+    return [&l, up, k_len, g](int64_t e, const std::vector<int64_t>& outputs, void* dst) {
+      if (l.quantized)
+        cpu::gather_weight_rows(up ? l.up_quantized(e) : l.down_quantized(e), outputs, k_len, g, dst);
+      else
+        cpu::gather_weight_rows(up ? l.up_matrix(e) : l.down_matrix(e), up ? l.gate_up.dtype() : l.down.dtype(),
+                                outputs, k_len, g, dst);
+    };
+  }
+
+  static std::shared_ptr<PackedProjection> packed_up(const cpu::ExpertLayout& l, cpu::GemmDType g, int64_t chunks) {
+    const std::string key = pack_key("up", l.gate_up, l.gate_up_scale, l, g);
+    auto made = l.gate_up.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+      return pack(l.experts, chunks, l.hidden, g, row_gatherer(l, true, l.hidden, g), [&](int64_t c) {
+        const int64_t j0 = c * kUpChunk, width = std::min(kUpChunk, l.intermediate - j0);
+        std::vector<int64_t> outputs;
+        for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.has_gate ? l.gate_column(j) : j);
+        if (l.has_gate)
+          for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.up_column(j));
+        return outputs;
+      });
     });
     return std::static_pointer_cast<PackedProjection>(made);
   }
 
-  static std::shared_ptr<PackedProjection> packed_down(const cpu::ExpertLayout& l, DType w_dtype, cpu::GemmDType g,
-                                                       int64_t chunks) {
-    auto made = l.down.storage()->attachment(pack_key("down", l.down, l, g), [&]() -> std::shared_ptr<void> {
-      return pack(
-          l.experts, chunks, l.intermediate, w_dtype, g, [&](int64_t e) { return l.down_matrix(e); },
-          [&](int64_t c) {
-            const int64_t h0 = c * kDownChunk, width = std::min(kDownChunk, l.hidden - h0);
-            std::vector<int64_t> outputs;
-            for (int64_t h = h0; h < h0 + width; ++h) outputs.push_back(h);
-            return outputs;
-          });
+  static std::shared_ptr<PackedProjection> packed_down(const cpu::ExpertLayout& l, cpu::GemmDType g, int64_t chunks) {
+    const std::string key = pack_key("down", l.down, l.down_scale, l, g);
+    auto made = l.down.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+      return pack(l.experts, chunks, l.intermediate, g, row_gatherer(l, false, l.intermediate, g), [&](int64_t c) {
+        const int64_t h0 = c * kDownChunk, width = std::min(kDownChunk, l.hidden - h0);
+        std::vector<int64_t> outputs;
+        for (int64_t h = h0; h < h0 + width; ++h) outputs.push_back(h);
+        return outputs;
+      });
     });
     return std::static_pointer_cast<PackedProjection>(made);
   }

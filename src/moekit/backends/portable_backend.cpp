@@ -1,5 +1,6 @@
 #include "moekit/backends/portable_backend.h"
 
+#include "moekit/backends/quantized_support.h"
 #include "moekit/core/device_memory.h"
 
 namespace moekit::backends {
@@ -65,6 +66,13 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
   return a;
 }
 #endif
+
+Support PortableBackend::supports(const ExpertsProblem& p) const {
+  // Quantisation first: the CUDA refusal is a fact of this version of moekit, true on any machine.
+  if (Support s = quantized_cuda_support(p, name()); !s) return s;
+  if (Support s = activation_scheme_support(p, name()); !s) return s;
+  return supports_device(p.hidden_states.device());
+}
 
 std::size_t PortableBackend::workspace_bytes(const ExpertsProblem& p) const {
 #if MOEKIT_HAS_CUDA

@@ -29,7 +29,9 @@ class PortableBackend : public ExpertsBackend {
   Support supports_device(Device device) const override {
     return device.is_cpu() ? Support::yes() : cuda_device_support(device);
   }
-  Support supports(const ExpertsProblem& p) const override { return supports_device(p.hidden_states.device()); }
+  // The device, then quantisation: CUDA kernels of quantised experts do not exist yet, and only the
+  // dynamic activation scheme runs.
+  Support supports(const ExpertsProblem& p) const override;
   std::size_t workspace_bytes(const ExpertsProblem& p) const override;
   void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override;
 

@@ -32,6 +32,10 @@ bool device_available(Device device, std::string* why_not) {
   return false;
 }
 
+std::optional<ComputeCapability> device_compute_capability(Device) {
+  return std::nullopt;
+}
+
 void synchronize(Device) {}
 
 }  // namespace moekit

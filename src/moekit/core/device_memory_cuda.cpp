@@ -88,6 +88,17 @@ bool device_available(Device device, std::string* why_not) {
   return true;
 }
 
+std::optional<ComputeCapability> device_compute_capability(Device device) {
+  if (!device_available(device)) return std::nullopt;
+  ComputeCapability cc;
+  if (cudaDeviceGetAttribute(&cc.major, cudaDevAttrComputeCapabilityMajor, device.index) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cc.minor, cudaDevAttrComputeCapabilityMinor, device.index) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::nullopt;
+  }
+  return cc;
+}
+
 void synchronize(Device device) {
   if (device.is_cpu()) return;
   use_device(device);

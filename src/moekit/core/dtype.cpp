@@ -1,5 +1,6 @@
 #include "moekit/dtype.h"
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <cmath>
@@ -40,6 +41,9 @@ std::string_view dtype_name(DType dtype) {
 }
 std::size_t dtype_size(DType dtype) {
   return info(dtype).size;
+}
+int64_t dtype_values_per_element(DType dtype) {
+  return dtype == DType::f4_e2m1 ? 2 : 1;
 }
 bool is_floating(DType dtype) {
   return info(dtype).floating;
@@ -88,6 +92,50 @@ f16 from_float<f16>(float v) {
   uint32_t r = abs - (112u << 23);
   r += 0xfffu + ((r >> 13) & 1u);
   return f16{static_cast<uint16_t>(sign | (r >> 13))};
+}
+
+template <>
+f8_e4m3 from_float<f8_e4m3>(float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const auto sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return f8_e4m3{static_cast<uint8_t>(sign | 0x7fu)};  // NaN
+  const float a = std::bit_cast<float>(abs);
+  // 448 is the largest finite e4m3; everything from it up (the next step, 480, is NaN's code) saturates.
+  if (a >= 448.0f) return f8_e4m3{static_cast<uint8_t>(sign | 0x7eu)};
+  if (a < 0x1p-6f) {
+    // Subnormal (or zero) in e4m3: a multiple of 2^-9. The product is exact, so nearbyint rounds the value
+    // itself to nearest even; 8 (= 2^-6) lands on the smallest normal's code, which is what it is.
+    return f8_e4m3{static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f)))};
+  }
+  // Normal: round the 20 dropped mantissa bits to nearest even (a carry moves into the exponent, as it
+  // should), then rebias the exponent from 127 to 7.
+  uint32_t r = abs + 0x7ffffu + ((abs >> 20) & 1u);
+  const uint32_t exponent = (r >> 23) - 120u;
+  r = (exponent << 3) | ((r >> 20) & 7u);
+  return f8_e4m3{static_cast<uint8_t>(sign | std::min<uint32_t>(r, 0x7eu))};
+}
+
+template <>
+ue8m0 from_float<ue8m0>(float v) {
+  const uint32_t abs = std::bit_cast<uint32_t>(v) & 0x7fffffffu;
+  uint32_t exponent = abs >> 23;
+  if (exponent == 0xffu) return ue8m0{0xff};  // NaN, infinities
+  // Nearest power of two: up when the mantissa is at least 1.5 (its top bit set), as torch rounds; float
+  // subnormals have no implicit bit, so they round up only past half of 2^-126.
+  const bool up = exponent > 0 ? (abs & 0x400000u) != 0 : (abs & 0x7fffffu) > 0x400000u;
+  if (up && exponent < 0xfeu) ++exponent;
+  return ue8m0{static_cast<uint8_t>(exponent)};
+}
+
+uint8_t e2m1_from_float(float v) {
+  const float a = std::fabs(v);
+  if (std::isnan(a)) return 0;
+  // The code is the number of rounding thresholds at or below |v|: the midpoints between neighbouring
+  // values, with a tie going to the even code (0 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0,
+  // 3.5 -> 4.0, 5 -> 4.0), so > at midpoints that tie down and >= at those that tie up.
+  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return static_cast<uint8_t>(code | (std::signbit(v) ? 8 : 0));
 }
 
 }  // namespace moekit

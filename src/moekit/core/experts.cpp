@@ -38,6 +38,7 @@ std::string ExpertsConfig::describe() const {
   os << "activation=" << activation_name(activation) << " has_gate=" << has_gate << " has_bias=" << has_bias
      << " is_transposed=" << is_transposed << " is_concatenated=" << is_concatenated;
   if (swiglu_limit) os << " swiglu_limit=" << *swiglu_limit << " swiglu_alpha=" << swiglu_alpha;
+  if (quantization.quantized()) os << " quantization=" << quantization.describe();
   return os.str();
 }
 
@@ -86,16 +87,37 @@ ExpertsShape validate(const ExpertsProblem& p) {
   check_shape(p.top_k_weights, "top_k_weights", {s.tokens, s.top_k}, "(the shape of top_k_index)");
 
   const char* up_name = c.has_gate ? "gate_up_proj" : "up_proj";
+  const QuantizationConfig& q = c.quantization;
+  // The dtype the weights are stored in: the activations' own, or the quantised format's.
+  const DType weight_dtype = !q.quantized()                        ? dtype
+                             : q.weights == WeightFormat::fp8_e4m3 ? DType::f8_e4m3
+                                                                   : DType::f4_e2m1;
+  // "must have the dtype of hidden_states (bf16)" or "must be f8_e4m3 (config.quantization: ...)".
+  const std::string expected_dtype =
+      q.quantized()
+          ? "must be " + std::string(dtype_name(weight_dtype)) + " (config.quantization: " + q.describe() + ")"
+          : "must have the dtype of hidden_states (" + std::string(dtype_name(dtype)) + ")";
+  if (q.quantized()) {
+    MOEKIT_CHECK(!c.is_transposed, "quantised weights (", q.describe(),
+                 ") must be untransposed [E, N, K], the layout their block scales describe; got is_transposed=true");
+    MOEKIT_CHECK(q.resolved_block_size() == default_block_size(q.weights), "config.quantization.block_size ",
+                 q.block_size, " is not supported: ", weight_format_name(q.weights), " weights use blocks of ",
+                 default_block_size(q.weights), q.weights == WeightFormat::fp8_e4m3 ? " x 128" : " along K");
+  }
   check_tensor(p.gate_up_proj, up_name, 3, device);
-  MOEKIT_CHECK(p.gate_up_proj.dtype() == dtype, up_name, " must have the dtype of hidden_states (", dtype_name(dtype),
-               "), got ", p.gate_up_proj.describe());
+  MOEKIT_CHECK(p.gate_up_proj.dtype() == weight_dtype, up_name, " ", expected_dtype, ", got ",
+               p.gate_up_proj.describe());
   s.experts = p.gate_up_proj.size(0);
   MOEKIT_CHECK(s.experts > 0, up_name, " has no experts: ", p.gate_up_proj.describe());
   const int64_t h_dim = c.is_transposed ? 1 : 2;
   const int64_t n_dim = c.is_transposed ? 2 : 1;
-  MOEKIT_CHECK(p.gate_up_proj.size(h_dim) == s.hidden, up_name, " dimension ", h_dim, " must be the hidden size ",
-               s.hidden, (c.is_transposed ? " (is_transposed: [E, H, N])" : " ([E, N, H])"), ", got ",
-               p.gate_up_proj.describe());
+  // FP4 packs two values per byte along K: the stored dimension is half the logical one.
+  const int64_t packing = dtype_values_per_element(weight_dtype);
+  MOEKIT_CHECK(packing == 1 || s.hidden % 2 == 0, "FP4 weights pack two values per byte along H, so the hidden size ",
+               "must be even; hidden_states is ", p.hidden_states.describe());
+  MOEKIT_CHECK(p.gate_up_proj.size(h_dim) * packing == s.hidden, up_name, " dimension ", h_dim,
+               " must be the hidden size ", s.hidden, packing == 2 ? " / 2 (FP4 pairs)" : "",
+               (c.is_transposed ? " (is_transposed: [E, H, N])" : " ([E, N, H])"), ", got ", p.gate_up_proj.describe());
   const int64_t n = p.gate_up_proj.size(n_dim);
   if (c.has_gate) {
     MOEKIT_CHECK(n % 2 == 0 && n > 0, "gate_up_proj dimension ", n_dim,
@@ -108,14 +130,42 @@ ExpertsShape validate(const ExpertsProblem& p) {
   }
 
   check_tensor(p.down_proj, "down_proj", 3, device);
-  MOEKIT_CHECK(p.down_proj.dtype() == dtype, "down_proj must have the dtype of hidden_states (", dtype_name(dtype),
-               "), got ", p.down_proj.describe());
+  MOEKIT_CHECK(p.down_proj.dtype() == weight_dtype, "down_proj ", expected_dtype, ", got ", p.down_proj.describe());
   MOEKIT_CHECK(p.down_proj.size(0) == s.experts, "down_proj has ", p.down_proj.size(0), " experts but ", up_name,
                " has ", s.experts, ": ", p.down_proj.describe());
+  MOEKIT_CHECK(packing == 1 || s.intermediate % 2 == 0, "FP4 weights pack two values per byte along I, so the ",
+               "intermediate size must be even; ", up_name, " is ", p.gate_up_proj.describe());
   if (c.is_transposed)
     check_shape(p.down_proj, "down_proj", {s.experts, s.intermediate, s.hidden}, "(is_transposed: [E, I, H])");
+  else if (packing == 2)
+    check_shape(p.down_proj, "down_proj", {s.experts, s.hidden, s.intermediate / 2}, "([E, H, I/2], FP4 pairs)");
   else
     check_shape(p.down_proj, "down_proj", {s.experts, s.hidden, s.intermediate}, "([E, H, I])");
+
+  if (q.quantized()) {
+    const bool fp8 = q.weights == WeightFormat::fp8_e4m3;
+    const char* up_scale = c.has_gate ? "gate_up_proj_scale_inv" : "up_proj_scale_inv";
+    check_tensor(p.gate_up_proj_scale_inv, up_scale, 3, device);
+    check_tensor(p.down_proj_scale_inv, "down_proj_scale_inv", 3, device);
+    const DType scale_dtype = p.gate_up_proj_scale_inv.dtype();
+    MOEKIT_CHECK(fp8 ? (scale_dtype == DType::f32 || scale_dtype == DType::ue8m0) : scale_dtype == DType::ue8m0,
+                 up_scale, " must be ", fp8 ? "f32 or ue8m0" : "ue8m0", " (", q.describe(), "), got ",
+                 p.gate_up_proj_scale_inv.describe());
+    MOEKIT_CHECK(p.down_proj_scale_inv.dtype() == scale_dtype, "down_proj_scale_inv must have the dtype of ", up_scale,
+                 " (", dtype_name(scale_dtype), "): the activations' scales follow them; got ",
+                 p.down_proj_scale_inv.describe());
+    const char* up_meaning = fp8 ? "([E, ceil(N/128), ceil(H/128)]: one scale per 128 x 128 block)"
+                                 : "([E, N, ceil(H/32)]: one scale per 32 values along H)";
+    const char* down_meaning = fp8 ? "([E, ceil(H/128), ceil(I/128)]: one scale per 128 x 128 block)"
+                                   : "([E, H, ceil(I/32)]: one scale per 32 values along I)";
+    check_shape(p.gate_up_proj_scale_inv, up_scale, weight_scale_shape(q.weights, s.experts, n, s.hidden), up_meaning);
+    check_shape(p.down_proj_scale_inv, "down_proj_scale_inv",
+                weight_scale_shape(q.weights, s.experts, s.hidden, s.intermediate), down_meaning);
+  } else {
+    MOEKIT_CHECK(!p.gate_up_proj_scale_inv.defined() && !p.down_proj_scale_inv.defined(),
+                 "scale_inv tensors were given but config.quantization says the weights are not quantised; set "
+                 "config.quantization.weights or drop them");
+  }
 
   if (c.has_bias) {
     const char* b1 = c.has_gate ? "gate_up_proj_bias" : "up_proj_bias";

@@ -5,6 +5,8 @@
 #include <numeric>
 #include <random>
 
+#include "moekit/quantization.h"
+
 namespace moekit {
 namespace {
 
@@ -100,6 +102,16 @@ ExpertsProblem make_random_problem(const RandomProblemOptions& o) {
   fill_uniform(p.gate_up_proj, rng, 1.0f / std::sqrt(static_cast<float>(H)));
   p.down_proj = c.is_transposed ? Tensor::empty({E, I, H}, o.dtype) : Tensor::empty({E, H, I}, o.dtype);
   fill_uniform(p.down_proj, rng, 1.0f / std::sqrt(static_cast<float>(I)));
+  if (c.quantization.quantized()) {
+    MOEKIT_CHECK(!c.is_transposed, "make_random_problem: quantised weights are untransposed; got ", c.describe());
+    const DType scale_dtype = c.quantization.weights == WeightFormat::fp4_e2m1 ? DType::ue8m0 : o.scale_dtype;
+    QuantizedWeights up = quantize_weights(p.gate_up_proj, c.quantization.weights, scale_dtype);
+    QuantizedWeights down = quantize_weights(p.down_proj, c.quantization.weights, scale_dtype);
+    p.gate_up_proj = up.weights;
+    p.gate_up_proj_scale_inv = up.scale_inv;
+    p.down_proj = down.weights;
+    p.down_proj_scale_inv = down.scale_inv;
+  }
   if (c.has_bias) {
     p.gate_up_proj_bias = Tensor::empty({E, N}, o.dtype);
     fill_uniform(p.gate_up_proj_bias, rng, 0.5f);

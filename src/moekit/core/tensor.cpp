@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <type_traits>
 
 #include "moekit/core/device_memory.h"
 
@@ -253,35 +254,32 @@ Tensor Tensor::to(DType dtype) const {
   Tensor src = contiguous();
   Tensor out = empty(shape_, dtype, device_);
   const int64_t n = numel();
-  auto convert_from = [&](auto to_double) {
-    const bool to_float_type = dtype == DType::f32 || dtype == DType::f16 || dtype == DType::bf16;
-    if (to_float_type) {
-      visit_float_dtype(dtype, [&](auto tag) {
-        using D = typename decltype(tag)::type;
-        D* d = static_cast<D*>(out.data());
-        for (int64_t i = 0; i < n; ++i) d[i] = from_float<D>(static_cast<float>(to_double(i)));
+  // Values pass through double, which holds every value of every source dtype exactly. Packed f4_e2m1
+  // pairs and raw u8 bytes have no element-wise value; dequantize_weights (quantization.h) unpacks FP4.
+  visit_dtype_among<float, f16, bf16, f8_e4m3, ue8m0, int32_t, int64_t>(
+      dtype_, "a dtype with one value per element to convert from (not u8 bytes or packed f4_e2m1 pairs)",
+      [&](auto source_tag) {
+        using S = typename decltype(source_tag)::type;
+        const S* s = static_cast<const S*>(src.data());
+        auto value = [s](int64_t i) {
+          if constexpr (std::is_integral_v<S>)
+            return static_cast<double>(s[i]);
+          else
+            return static_cast<double>(to_float(s[i]));
+        };
+        visit_dtype_among<float, f16, bf16, f8_e4m3, ue8m0, int32_t, int64_t>(
+            dtype, "a floating dtype (f32, f16, bf16, f8_e4m3, ue8m0) or an index dtype (i32, i64) to convert to",
+            [&](auto target_tag) {
+              using D = typename decltype(target_tag)::type;
+              D* d = static_cast<D*>(out.data());
+              for (int64_t i = 0; i < n; ++i) {
+                if constexpr (std::is_integral_v<D>)
+                  d[i] = static_cast<D>(value(i));  // truncates toward zero, as a C++ cast (and torch) does
+                else
+                  d[i] = from_float<D>(static_cast<float>(value(i)));
+              }
+            });
       });
-    } else {
-      visit_index_dtype(dtype, [&](auto tag) {
-        using D = typename decltype(tag)::type;
-        D* d = static_cast<D*>(out.data());
-        for (int64_t i = 0; i < n; ++i) d[i] = static_cast<D>(to_double(i));
-      });
-    }
-  };
-  if (dtype_ == DType::i32 || dtype_ == DType::i64) {
-    visit_index_dtype(dtype_, [&](auto tag) {
-      using S = typename decltype(tag)::type;
-      const S* s = static_cast<const S*>(src.data());
-      convert_from([s](int64_t i) { return static_cast<double>(s[i]); });
-    });
-  } else {
-    visit_float_dtype(dtype_, [&](auto tag) {
-      using S = typename decltype(tag)::type;
-      const S* s = static_cast<const S*>(src.data());
-      convert_from([s](int64_t i) { return static_cast<double>(to_float(s[i])); });
-    });
-  }
   return out;
 }
 

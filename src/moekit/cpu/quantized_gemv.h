@@ -1,0 +1,47 @@
+// Matrix-vector products over block-quantised weights where they lie (FP8 e4m3 with 128 x 128 block scales,
+// FP4 e2m1 pairs with a ue8m0 scale per 32 values), for the (token, expert) pairs of batched_mm and the
+// decode rows of grouped_mm; and one row dequantised to float, for the backends that pack weights.
+// Kernel layer: raw pointers and sizes. The AVX-512 build (quantized_gemv_avx512.cpp) is chosen at run
+// time like the other gemv kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/dtype.h"
+
+namespace moekit::cpu {
+
+// One quantised weight matrix [N, K], untransposed: row n starts at data + n * row_bytes.
+// FP8: W(n, k) = e4m3(data[n * row_bytes + k]) * scale[(n / 128) * scale_ld + k / 128]
+// FP4: W(n, k) = e2m1(nibble k % 2 of data[n * row_bytes + k / 2]) * scale[n * scale_ld + k / 32]
+// Scales are float or ue8m0 (FP4: ue8m0).
+struct QuantizedMatrix {
+  bool fp4 = false;
+  const uint8_t* data = nullptr;
+  int64_t row_bytes = 0;
+  const void* scales = nullptr;
+  bool ue8m0_scales = false;
+  int64_t scale_ld = 0;
+
+  // The scale of weight (n, k).
+  float scale(int64_t n, int64_t k) const {
+    const int64_t i = fp4 ? n * scale_ld + k / 32 : (n / 128) * scale_ld + k / 128;
+    return ue8m0_scales ? to_float(static_cast<const ue8m0*>(scales)[i]) : static_cast<const float*>(scales)[i];
+  }
+};
+
+// y[i] = sum_k x[k] * W(first_row + i * row_step, k) for i in [0, n_rows), over whole rows (k_len = K; FP4:
+// even). x and y are float. NaN weight codes (e4m3 0x7f/0xff, which no quantiser writes) are not
+// detected: the AVX-512 build reads them as 480.
+void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
+                         int64_t n_rows, int64_t k_len);
+
+// out[k] = W(n, k) for k in [0, k_len): one row dequantised to float.
+void dequantize_row(const QuantizedMatrix& w, int64_t n, float* out, int64_t k_len);
+
+namespace avx512 {
+void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
+                         int64_t n_rows, int64_t k_len);
+}  // namespace avx512
+
+}  // namespace moekit::cpu

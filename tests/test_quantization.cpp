@@ -1,0 +1,411 @@
+// The quantised formats of DESIGN §3: the element conversions (f8_e4m3, e2m1, ue8m0), checked against a
+// brute-force search over every code decoded from the format's definition, and the tensor functions of
+// include/moekit/quantization.h.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "harness.h"
+#include "moekit/dtype.h"
+#include "moekit/quantization.h"
+#include "moekit/random_problem.h"
+#include "moekit/tensor.h"
+
+namespace moekit {
+namespace {
+
+using test::throws_error_with;
+
+// e4m3 from its definition (OCP FP8, the "fn" variant): bias 7, subnormals m/8 * 2^-6, S.1111.111 is NaN.
+double e4m3_definition(uint8_t code) {
+  const int sign = code >> 7, e = (code >> 3) & 15, m = code & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double magnitude = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return sign ? -magnitude : magnitude;
+}
+
+double e2m1_definition(uint8_t code) {
+  const int sign = (code >> 3) & 1, e = (code >> 1) & 3, m = code & 1;
+  const double magnitude = e == 0 ? m * 0.5 : std::ldexp(1.0 + m / 2.0, e - 1);
+  return sign ? -magnitude : magnitude;
+}
+
+// The code nearest to v among the finite codes whose value() is given, ties to the code with an even last
+// bit, saturating at the largest magnitude: what "round to nearest even, saturating" means.
+template <typename Value>
+int nearest_code(double v, int codes, Value value) {
+  double max = 0;
+  for (int c = 0; c < codes; ++c) max = std::max(max, std::fabs(value(static_cast<uint8_t>(c))));  // NaN skipped
+  v = std::clamp(v, -max, max);  // saturation: beyond the largest magnitude, that magnitude
+  int best = -1;
+  double best_d = 0;
+  for (int c = 0; c < codes; ++c) {
+    const double x = value(static_cast<uint8_t>(c));
+    if (std::isnan(x) || std::signbit(x) != std::signbit(v)) continue;
+    const double d = std::fabs(x - v);
+    if (best < 0 || d < best_d || (d == best_d && (c & 1) == 0)) {
+      best = c;
+      best_d = d;
+    }
+  }
+  return best;
+}
+
+// Finite floats spread over the formats' ranges, plus every midpoint between neighbouring values.
+template <typename Value>
+std::vector<float> probe_values(int codes, Value value, double max) {
+  std::vector<float> v;
+  std::vector<double> magnitudes;
+  for (int c = 0; c < codes; ++c) {
+    const double x = value(static_cast<uint8_t>(c));
+    if (!std::isnan(x) && x >= 0) magnitudes.push_back(x);
+  }
+  std::sort(magnitudes.begin(), magnitudes.end());
+  for (std::size_t i = 0; i + 1 < magnitudes.size(); ++i) {
+    const double mid = 0.5 * (magnitudes[i] + magnitudes[i + 1]);
+    for (double x : {magnitudes[i], mid, std::nextafter(mid, 0.0), std::nextafter(mid, 1e9)}) {
+      v.push_back(static_cast<float>(x));
+      v.push_back(-static_cast<float>(x));
+    }
+  }
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> log_mag(std::log2(max) - 20, std::log2(max) + 2);
+  for (int i = 0; i < 20000; ++i) {
+    const auto x = static_cast<float>(std::exp2(log_mag(rng)));
+    v.push_back(i % 2 ? x : -x);
+  }
+  for (float x : {0.0f, -0.0f, static_cast<float>(max), static_cast<float>(max) * 1.04f, 1e30f, -1e30f}) v.push_back(x);
+  return v;
+}
+
+TEST(F8E4M3, DecodesEveryCodeAsTheFormatDefinesIt) {
+  for (int c = 0; c < 256; ++c) {
+    const double expected = e4m3_definition(static_cast<uint8_t>(c));
+    const float got = to_float(f8_e4m3{static_cast<uint8_t>(c)});
+    if (std::isnan(expected)) {
+      EXPECT_TRUE(std::isnan(got)) << "code " << c;
+    } else {
+      EXPECT_EQ(got, expected) << "code " << c;
+      EXPECT_EQ(std::signbit(got), c >= 128) << "code " << c;
+    }
+  }
+  EXPECT_EQ(to_float(f8_e4m3{0x7e}), 448.0f);
+  EXPECT_EQ(to_float(f8_e4m3{0x01}), 0x1p-9f);
+}
+
+TEST(F8E4M3, RoundsToNearestEvenAndSaturates) {
+  for (float v : probe_values(256, e4m3_definition, 448)) {
+    const int expected = nearest_code(v, 256, e4m3_definition);
+    EXPECT_EQ(from_float<f8_e4m3>(v).bits, expected) << "v = " << v;
+  }
+  EXPECT_EQ(from_float<f8_e4m3>(std::numeric_limits<float>::infinity()).bits, 0x7e);
+  EXPECT_EQ(from_float<f8_e4m3>(-std::numeric_limits<float>::infinity()).bits, 0xfe);
+  EXPECT_TRUE(std::isnan(to_float(from_float<f8_e4m3>(std::numeric_limits<float>::quiet_NaN()))));
+  // Every finite code survives a round trip.
+  for (int c = 0; c < 256; ++c) {
+    const float x = to_float(f8_e4m3{static_cast<uint8_t>(c)});
+    if (!std::isnan(x)) {
+      EXPECT_EQ(from_float<f8_e4m3>(x).bits, c) << "code " << c;
+    }
+  }
+}
+
+// The branch-free rounding that the activation loop uses agrees with the code path on every float sign,
+// exponent and the mantissas that matter: all 2^32 bit patterns would take too long, so every exponent with
+// mantissas near each rounding boundary and a random sample.
+TEST(F8E4M3, BranchFreeRoundingMatchesTheConversion) {
+  std::mt19937 rng(17);
+  auto check = [](uint32_t bits) {
+    const float v = std::bit_cast<float>(bits);
+    const float expected = to_float(from_float<f8_e4m3>(v));
+    const float got = round_to_e4m3_value(v);
+    if (std::isnan(expected)) return std::isnan(got);
+    return std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(expected);
+  };
+  for (uint32_t sign : {0u, 0x80000000u})
+    for (uint32_t e = 0; e < 256; ++e)
+      for (uint32_t m : {0u, 1u, 0x7ffffu, 0x80000u, 0x80001u, 0xfffffu, 0x100000u, 0x17ffffu, 0x180000u, 0x180001u,
+                         0x400000u, 0x7fffffu, 0x7ffff0u, 0x3fffffu}) {
+        const uint32_t bits = sign | (e << 23) | m;
+        ASSERT_TRUE(check(bits)) << "bits " << std::hex << bits << " = " << std::bit_cast<float>(bits);
+      }
+  for (int i = 0; i < 2000000; ++i) {
+    const auto bits = static_cast<uint32_t>(rng());
+    ASSERT_TRUE(check(bits)) << "bits " << std::hex << bits << " = " << std::bit_cast<float>(bits);
+  }
+  // The subnormal range, where the rounding step is 2^-9, densely.
+  for (uint32_t bits = 0x3a000000u; bits < 0x3c900000u; bits += 97) ASSERT_TRUE(check(bits)) << std::hex << bits;
+}
+
+TEST(E2M1, DecodesAndRoundsToNearestEven) {
+  for (int c = 0; c < 16; ++c)
+    EXPECT_EQ(e2m1_to_float(static_cast<uint8_t>(c)), e2m1_definition(static_cast<uint8_t>(c)));
+  for (float v : probe_values(16, e2m1_definition, 6)) {
+    EXPECT_EQ(e2m1_from_float(v), nearest_code(v, 16, e2m1_definition)) << "v = " << v;
+  }
+  EXPECT_EQ(e2m1_from_float(std::numeric_limits<float>::infinity()), 7);
+  EXPECT_EQ(e2m1_from_float(-std::numeric_limits<float>::infinity()), 15);
+  EXPECT_EQ(e2m1_from_float(std::numeric_limits<float>::quiet_NaN()), 0) << "documented: NaN has no e2m1 code";
+}
+
+TEST(UE8M0, DecodesAndRoundsToTheNearestPowerOfTwo) {
+  for (int c = 1; c < 255; ++c) EXPECT_EQ(to_float(ue8m0{static_cast<uint8_t>(c)}), std::ldexp(1.0, c - 127)) << c;
+  EXPECT_EQ(to_float(ue8m0{0}), std::ldexp(1.0f, -127));
+  EXPECT_TRUE(std::isnan(to_float(ue8m0{255})));
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<double> log_mag(-120, 120);
+  for (int i = 0; i < 20000; ++i) {
+    const auto v = static_cast<float>(std::exp2(log_mag(rng)));
+    // Nearest on the linear scale: between 2^e and 2^(e+1) the midpoint is 1.5 * 2^e; ties go up.
+    const int e = std::ilogb(v);
+    const int expected = v >= 1.5f * std::ldexp(1.0f, e) ? e + 1 : e;
+    EXPECT_EQ(from_float<ue8m0>(v).bits, expected + 127) << "v = " << v;
+    EXPECT_EQ(from_float<ue8m0>(-v).bits, expected + 127) << "the sign is ignored, v = " << -v;
+  }
+  EXPECT_EQ(from_float<ue8m0>(1.5f).bits, 128);
+  EXPECT_EQ(from_float<ue8m0>(std::nextafter(1.5f, 0.0f)).bits, 127);
+  EXPECT_EQ(from_float<ue8m0>(0.0f).bits, 0);
+  EXPECT_EQ(from_float<ue8m0>(1e38f * 3).bits, 254) << "saturates at 2^127";
+  EXPECT_EQ(from_float<ue8m0>(std::numeric_limits<float>::infinity()).bits, 255);
+  EXPECT_EQ(from_float<ue8m0>(std::numeric_limits<float>::quiet_NaN()).bits, 255);
+}
+
+TEST(QuantizedDTypes, PackingSizesAndConversions) {
+  EXPECT_EQ(dtype_values_per_element(DType::f4_e2m1), 2);
+  EXPECT_EQ(dtype_values_per_element(DType::f8_e4m3), 1);
+  EXPECT_EQ(Tensor::empty({3, 8}, DType::f4_e2m1).nbytes(), 24u) << "one byte per packed pair";
+  // f8_e4m3 and ue8m0 tensors convert element-wise, both ways.
+  const Tensor t = test::tensor_of({1.0f, -3.3f, 500.0f, 0.001f}, {4});
+  const std::vector<float> e4m3 = test::values_of(t.to(DType::f8_e4m3));
+  EXPECT_EQ(e4m3, std::vector<float>({1.0f, -3.25f, 448.0f, 0x1p-9f}));  // 0.001 is past 2^-10, half the step
+  const std::vector<float> scales = test::values_of(t.to(DType::ue8m0));
+  EXPECT_EQ(scales, std::vector<float>({1.0f, 4.0f, 512.0f, 0x1p-10f}));
+  // Packed pairs have no element-wise value.
+  EXPECT_TRUE(
+      throws_error_with([] { Tensor::zeros({2}, DType::f4_e2m1).to(DType::f32); }, {"packed f4_e2m1", "got f4_e2m1"}));
+  EXPECT_TRUE(throws_error_with([&] { t.to(DType::f4_e2m1); }, {"to convert to", "got f4_e2m1"}));
+}
+
+TEST(QuantizedDTypes, VisitorsNarrowToOneKind) {
+  EXPECT_EQ(visit_scale_dtype(DType::ue8m0, [](auto tag) { return dtype_of<typename decltype(tag)::type>(); }),
+            DType::ue8m0);
+  EXPECT_TRUE(throws_error_with([] { visit_scale_dtype(DType::bf16, [](auto) {}); }, {"scale dtype", "bf16"}));
+  EXPECT_TRUE(throws_error_with([] { visit_float_dtype(DType::f8_e4m3, [](auto) {}); }, {"floating dtype", "f8_e4m3"}));
+  for (DType d : {DType::f32, DType::f16, DType::bf16, DType::i32, DType::i64, DType::u8, DType::f8_e4m3,
+                  DType::f4_e2m1, DType::ue8m0})
+    EXPECT_EQ(visit_dtype(d, [](auto tag) { return dtype_of<typename decltype(tag)::type>(); }), d);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Weights
+
+// W [E, N, K] f32 with values spread over several orders of magnitude, a zero block and a few exact zeros.
+Tensor spread_weights(int64_t E, int64_t N, int64_t K, uint64_t seed) {
+  Tensor w = Tensor::empty({E, N, K}, DType::f32);
+  std::mt19937 rng(static_cast<unsigned>(seed));
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> octave(-12, 2);
+  float* p = w.data_as<float>();
+  for (int64_t i = 0; i < w.numel(); ++i) p[i] = u(rng) * std::ldexp(1.0f, octave(rng));
+  for (int64_t n = 0; n < std::min<int64_t>(N, 40); ++n)  // expert 0's first 32-wide K block is all zero
+    for (int64_t k = 0; k < std::min<int64_t>(K, 32); ++k) p[n * K + k] = 0;
+  return w;
+}
+
+double amax_of(const Tensor& w, int64_t e, int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
+  const int64_t N = w.size(1), K = w.size(2);
+  double m = 0;
+  for (int64_t n = n0; n < std::min(n1, N); ++n)
+    for (int64_t k = k0; k < std::min(k1, K); ++k)
+      m = std::max(m, std::fabs(double(w.data_as<float>()[(e * N + n) * K + k])));
+  return m;
+}
+
+// The scale must be amax / 448 (f32) or the smallest power of two at or above it (ue8m0), 1 for a zero
+// block; every dequantised weight within half a step of e4m3 at its magnitude (or of the subnormal step).
+TEST(QuantizeWeights, Fp8BlocksCoverPartialEdgesWithinHalfAStep) {
+  const int64_t E = 2, N = 130, K = 200;  // partial blocks in both N and K
+  const Tensor w = spread_weights(E, N, K, 1);
+  for (DType scale_dtype : {DType::f32, DType::ue8m0}) {
+    SCOPED_TRACE(dtype_name(scale_dtype));
+    const QuantizedWeights q = quantize_weights(w, WeightFormat::fp8_e4m3, scale_dtype);
+    EXPECT_EQ(q.weights.dtype(), DType::f8_e4m3);
+    EXPECT_EQ(q.weights.shape(), Shape({E, N, K}));
+    EXPECT_EQ(q.scale_inv.shape(), Shape({E, 2, 2}));
+    EXPECT_EQ(q.scale_inv.dtype(), scale_dtype);
+    const std::vector<float> scales = test::values_of(q.scale_inv);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t nb = 0; nb < 2; ++nb)
+        for (int64_t kb = 0; kb < 2; ++kb) {
+          const double amax = amax_of(w, e, nb * 128, nb * 128 + 128, kb * 128, kb * 128 + 128);
+          const double s = scales[static_cast<std::size_t>((e * 2 + nb) * 2 + kb)];
+          if (scale_dtype == DType::f32) {
+            EXPECT_NEAR(s, amax / 448, amax / 448 * 1e-6) << e << nb << kb;
+          } else {
+            EXPECT_EQ(std::exp2(std::round(std::log2(s))), s) << "a power of two";
+            EXPECT_GE(s, amax / 448);
+            EXPECT_LT(s, 2 * amax / 448);
+          }
+        }
+    const Tensor back = dequantize_weights(q.weights, q.scale_inv);
+    EXPECT_EQ(back.shape(), Shape({E, N, K}));
+    const float* a = w.data_as<float>();
+    const float* b = back.data_as<float>();
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      const int64_t e = i / (N * K), n = i / K % N, k = i % K;
+      const double s = scales[static_cast<std::size_t>((e * 2 + n / 128) * 2 + k / 128)];
+      // e4m3 has 3 mantissa bits: half a step is 2^-4 of the value; below 2^-6 * s the step is 2^-9 * s.
+      const double bound = std::max(std::fabs(a[i]) * 0x1p-4, s * 0x1p-10) * (1 + 1e-6);
+      ASSERT_LE(std::fabs(double(b[i]) - a[i]), bound) << "w[" << e << ", " << n << ", " << k << "] = " << a[i];
+    }
+  }
+}
+
+TEST(QuantizeWeights, Fp4PerRowBlocksOf32WithinHalfAStep) {
+  const int64_t E = 2, N = 5, K = 70;  // a partial 32-block at the end of each row
+  const Tensor w = spread_weights(E, N, K, 2);
+  const QuantizedWeights q = quantize_weights(w, WeightFormat::fp4_e2m1, DType::ue8m0);
+  EXPECT_EQ(q.weights.dtype(), DType::f4_e2m1);
+  EXPECT_EQ(q.weights.shape(), Shape({E, N, K / 2}));
+  EXPECT_EQ(q.scale_inv.shape(), Shape({E, N, 3}));
+  const std::vector<float> scales = test::values_of(q.scale_inv);
+  const Tensor back = dequantize_weights(q.weights, q.scale_inv, DType::f32);
+  const float* a = w.data_as<float>();
+  const float* b = back.data_as<float>();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t kb = 0; kb < 3; ++kb) {
+        const double amax = amax_of(w, e, n, n + 1, kb * 32, kb * 32 + 32);
+        const double s = scales[static_cast<std::size_t>((e * N + n) * 3 + kb)];
+        if (amax == 0) {
+          EXPECT_EQ(s, 1.0);
+        } else {
+          EXPECT_GE(s, amax / 6);
+          EXPECT_LT(s, 2 * amax / 6);
+        }
+        for (int64_t k = kb * 32; k < std::min<int64_t>(K, kb * 32 + 32); ++k) {
+          const int64_t i = (e * N + n) * K + k;
+          const double v = std::fabs(a[i]) / s;
+          const double half_step = v < 2 ? 0.25 : v < 4 ? 0.5 : 1.0;  // e2m1 steps: 0.5 below 2, 1 below 4, 2 above
+          ASSERT_LE(std::fabs(double(b[i]) - a[i]), half_step * s * (1 + 1e-6)) << e << " " << n << " " << k;
+        }
+      }
+}
+
+// The packing convention, from hand-made bytes: element 2j in the low nibble.
+TEST(QuantizeWeights, Fp4PackingLowNibbleFirst) {
+  Tensor q = Tensor::empty({1, 1, 16}, DType::f4_e2m1);  // K = 32
+  for (int j = 0; j < 16; ++j) q.data_as<f4_e2m1x2>()[j] = f4_e2m1x2{static_cast<uint8_t>(j == 0 ? 0x72 : 0x00)};
+  Tensor s = Tensor::empty({1, 1, 1}, DType::ue8m0);
+  s.data_as<ue8m0>()[0] = ue8m0{128};  // 2
+  const std::vector<float> w = test::values_of(dequantize_weights(q, s));
+  ASSERT_EQ(w.size(), 32u);
+  EXPECT_EQ(w[0], 2.0f);   // low nibble 2: 1.0 * 2
+  EXPECT_EQ(w[1], 12.0f);  // high nibble 7: 6.0 * 2
+  EXPECT_EQ(w[2], 0.0f);
+  // And quantising puts them back where they were.
+  const QuantizedWeights again = quantize_weights(test::tensor_of(w, {1, 1, 32}), WeightFormat::fp4_e2m1, DType::ue8m0);
+  EXPECT_EQ(again.weights.data_as<f4_e2m1x2>()[0].bits, 0x72);
+  EXPECT_EQ(to_float(again.scale_inv.data_as<ue8m0>()[0]), 2.0f);
+}
+
+TEST(QuantizeWeights, BadInputIsNamed) {
+  Tensor w = test::tensor_of(std::vector<float>(2 * 3 * 4, 0.5f), {2, 3, 4});
+  w.data_as<float>()[(1 * 3 + 2) * 4 + 1] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(
+      throws_error_with([&] { quantize_weights(w, WeightFormat::fp8_e4m3); }, {"weight [1, 2, 1]", "not finite"}));
+  EXPECT_TRUE(throws_error_with(
+      [] {
+        quantize_weights(Tensor::zeros({1, 2, 3}, DType::f32), WeightFormat::fp4_e2m1, DType::ue8m0);
+      },
+      {"K must be even"}));
+  EXPECT_TRUE(throws_error_with(
+      [] {
+        quantize_weights(Tensor::zeros({1, 2, 4}, DType::f32), WeightFormat::fp4_e2m1);
+      },
+      {"FP4 e2m1 weights take ue8m0 scales"}));
+  EXPECT_TRUE(throws_error_with(
+      [] {
+        quantize_weights(Tensor::zeros({2, 4}, DType::f32), WeightFormat::fp8_e4m3);
+      },
+      {"[E, N, K]"}));
+  const QuantizedWeights q = quantize_weights(Tensor::zeros({1, 2, 4}, DType::f32), WeightFormat::fp8_e4m3);
+  EXPECT_TRUE(throws_error_with(
+      [&] {
+        dequantize_weights(q.weights, Tensor::zeros({1, 2, 1}, DType::f32));
+      },
+      {"scale_inv of f8_e4m3[1, 2, 4]", "[1, 1, 1]", "f32[1, 2, 1]"}));
+  EXPECT_TRUE(throws_error_with(
+      [&] {
+        dequantize_weights(q.weights, Tensor::zeros({1, 1, 1}, DType::bf16));
+      },
+      {"f32 or ue8m0", "bf16"}));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Activations
+
+TEST(QuantizeActivations, PerGroupOf128FromAmax) {
+  const int64_t n = 300;  // groups of 128, 128 and 44
+  std::vector<float> x(n);
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  for (auto& v : x) v = u(rng);
+  for (int64_t i = 128; i < 256; ++i) x[static_cast<std::size_t>(i)] = 0;  // an all-zero group
+  for (bool pow2 : {false, true}) {
+    SCOPED_TRACE(pow2 ? "power-of-two scales" : "f32 scales");
+    std::vector<float> out(n), scales(3);
+    std::vector<f8_e4m3> codes(n);
+    quantize_activations(x.data(), n, pow2, out.data(), codes.data(), scales.data());
+    for (int g = 0; g < 3; ++g) {
+      float amax = 0;
+      for (int64_t i = g * 128; i < std::min<int64_t>(n, g * 128 + 128); ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float s = scales[static_cast<std::size_t>(g)];
+      if (amax == 0)
+        EXPECT_EQ(s, 1.0f);
+      else if (pow2)
+        EXPECT_EQ(s, std::exp2(std::ceil(std::log2(amax / 448.0f))));
+      else
+        EXPECT_EQ(s, amax / 448.0f);
+      for (int64_t i = g * 128; i < std::min<int64_t>(n, g * 128 + 128); ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        EXPECT_EQ(out[k], to_float(codes[k]) * s);
+        EXPECT_LE(std::fabs(out[k] - x[k]), std::max(std::fabs(x[k]) * 0x1p-4f, s * 0x1p-10f) * 1.000001f) << i;
+      }
+    }
+    // In place gives the same values.
+    std::vector<float> same = x;
+    quantize_activations(same.data(), n, pow2, same.data());
+    EXPECT_EQ(same, out);
+  }
+  // A NaN stays visible.
+  x[5] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> out(n);
+  quantize_activations(x.data(), n, false, out.data());
+  EXPECT_TRUE(std::isnan(out[5]));
+}
+
+TEST(QuantizationConfig, NamesAndDefaults) {
+  QuantizationConfig c;
+  EXPECT_FALSE(c.quantized());
+  c.weights = WeightFormat::fp8_e4m3;
+  EXPECT_EQ(c.resolved_block_size(), 128);
+  EXPECT_EQ(c.describe(), "fp8_e4m3 block 128, dynamic activations");
+  c.weights = WeightFormat::fp4_e2m1;
+  EXPECT_EQ(c.resolved_block_size(), 32);
+  EXPECT_EQ(parse_weight_format("fp8_e4m3"), WeightFormat::fp8_e4m3);
+  EXPECT_EQ(parse_activation_scheme("static"), ActivationScheme::static_scales);
+  EXPECT_TRUE(throws_error_with([] { parse_weight_format("int4"); }, {"'int4'", "none, fp8_e4m3, fp4_e2m1"}));
+  EXPECT_EQ(ue8m0_ceil(1.0f).bits, 127);
+  EXPECT_EQ(ue8m0_ceil(std::nextafter(1.0f, 2.0f)).bits, 128);
+  EXPECT_EQ(ue8m0_ceil(0.75f).bits, 127);
+}
+
+}  // namespace
+}  // namespace moekit
