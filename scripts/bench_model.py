@@ -106,21 +106,27 @@ def main():
           f"{config['hidden_size']}, {config['num_experts']} experts top-{config['num_experts_per_tok']}, bf16), "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, device {args.device}, "
           f"median of {args.repeats}", flush=True)
-    rows = []
+    # All moekit runs first, then transformers: the Python process keeps the memory of the models it
+    # loaded, which would otherwise crowd out moekit's memory-mapped checkpoint on a small machine.
     on_gpu = args.device.startswith("cuda")
-    for backend in args.backends.split(","):
-        ours = run_moekit(args, backend, prompt)
-        theirs = (None, None, "skipped") if args.skip_transformers else run_transformers(args, backend, prompt)
-        label = backend + (" (decode switch)" if backend == "grouped_mm" and on_gpu else "")
-        rows.append({"backend": label, "moekit_prefill": ours[0], "moekit_decode": ours[1], "moekit_error": ours[2],
-                     "hf_prefill": theirs[0], "hf_decode": theirs[1], "hf_error": theirs[2]})
-        print(f"  {backend}: done", file=sys.stderr, flush=True)
+    backends = args.backends.split(",")
+    ours, ours_unswitched = {}, {}
+    for backend in backends:
+        ours[backend] = run_moekit(args, backend, prompt)
         if backend == "grouped_mm" and on_gpu:
             # On a GPU moekit decodes grouped_mm models with batched_mm; this row keeps grouped_mm.
-            ours = run_moekit(args, backend, prompt, decode_switch=False)
-            rows.append({"backend": "grouped_mm (no decode switch)", "moekit_prefill": ours[0],
-                         "moekit_decode": ours[1], "moekit_error": ours[2], "hf_prefill": theirs[0],
-                         "hf_decode": theirs[1], "hf_error": theirs[2]})
+            ours_unswitched[backend] = run_moekit(args, backend, prompt, decode_switch=False)
+        print(f"  moekit {backend}: done", file=sys.stderr, flush=True)
+    rows = []
+    for backend in backends:
+        theirs = (None, None, "skipped") if args.skip_transformers else run_transformers(args, backend, prompt)
+        print(f"  transformers {backend}: done", file=sys.stderr, flush=True)
+        label = backend + (" (decode switch)" if backend in ours_unswitched else "")
+        for name, result in [(label, ours[backend])] + (
+                [(backend + " (no decode switch)", ours_unswitched[backend])] if backend in ours_unswitched else []):
+            rows.append({"backend": name, "moekit_prefill": result[0], "moekit_decode": result[1],
+                         "moekit_error": result[2], "hf_prefill": theirs[0], "hf_decode": theirs[1],
+                         "hf_error": theirs[2]})
 
     def cell(v):
         return f"{v:.1f}" if v is not None else "—"

@@ -174,17 +174,22 @@ ExpertsProblem labelled_cuda(const ExpertsProblem& p) {
   return q;
 }
 
-TEST(QuantizedRefusals, EveryBuiltinBackendRefusesQuantisedProblemsOnCudaByName) {
+// On CUDA, batched_mm runs FP8 (its kernels read e4m3 bytes); everything else is refused by name.
+TEST(QuantizedRefusals, BackendsWithoutCudaKernelsRefuseQuantisedProblemsOnCudaByName) {
   for (auto [format, label] : {std::pair{WeightFormat::fp8_e4m3, "FP8"}, std::pair{WeightFormat::fp4_e2m1, "FP4"}}) {
     const ExpertsProblem p = labelled_cuda(make_random_problem(quantized_options(format, DType::ue8m0)));
     ASSERT_NO_THROW(validate(p));
     for (const std::string name : {"eager", "batched_mm", "grouped_mm", "deepgemm", "deepgemm_megamoe", "sonicmoe"}) {
       SCOPED_TRACE(name);
       const Support s = ExpertsInterface::global().get(name).supports(p);
+      const std::string refusal = std::string(label) + " experts on CUDA are not implemented yet in " + name;
+      if (name == "batched_mm" && format == WeightFormat::fp8_e4m3) {
+        // Accepted as far as quantisation goes; the device check that follows decides on this machine.
+        EXPECT_EQ(s.reason.find(refusal), std::string::npos) << s.reason;
+        continue;
+      }
       EXPECT_FALSE(s.ok);
-      EXPECT_NE(s.reason.find(std::string(label) + " experts on CUDA are not implemented yet in " + name),
-                std::string::npos)
-          << s.reason;
+      EXPECT_NE(s.reason.find(refusal), std::string::npos) << s.reason;
     }
   }
 }

@@ -62,6 +62,13 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
         break;
     }
   }
+  const QuantizationConfig& q = c.quantization;
+  if (q.weights == WeightFormat::fp8_e4m3) {
+    a.fp8 = true;
+    a.ue8m0_scales = p.gate_up_proj_scale_inv.dtype() == DType::ue8m0;
+    a.up_scale = p.gate_up_proj_scale_inv.data();
+    a.down_scale = p.down_proj_scale_inv.data();
+  }
   a.out = out ? out->data() : nullptr;
   return a;
 }
@@ -69,7 +76,7 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
 
 Support PortableBackend::supports(const ExpertsProblem& p) const {
   // Quantisation first: the CUDA refusal is a fact of this version of moekit, true on any machine.
-  if (Support s = quantized_cuda_support(p, name()); !s) return s;
+  if (Support s = quantized_cuda_support(p, name(), cuda_reads_fp8()); !s) return s;
   if (Support s = activation_scheme_support(p, name()); !s) return s;
   return supports_device(p.hidden_states.device());
 }

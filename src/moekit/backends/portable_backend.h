@@ -46,6 +46,8 @@ class PortableBackend : public ExpertsBackend {
   struct CudaKernels {};
   explicit PortableBackend(CudaKernels) {}
 #endif
+  // Whether this backend's CUDA kernels read FP8 e4m3 weights (batched_mm); the others refuse them.
+  virtual bool cuda_reads_fp8() const { return false; }
   virtual std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const = 0;
   virtual void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) = 0;
 

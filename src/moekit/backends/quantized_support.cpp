@@ -8,8 +8,9 @@ std::string_view quantized_format_label(const ExpertsProblem& p) {
   return p.config.quantization.weights == WeightFormat::fp4_e2m1 ? "FP4" : "FP8";
 }
 
-Support quantized_cuda_support(const ExpertsProblem& p, std::string_view backend) {
+Support quantized_cuda_support(const ExpertsProblem& p, std::string_view backend, bool fp8_kernels) {
   if (!p.config.quantization.quantized() || !p.hidden_states.device().is_cuda()) return Support::yes();
+  if (fp8_kernels && p.config.quantization.weights == WeightFormat::fp8_e4m3) return Support::yes();
   return Support::no(std::string(quantized_format_label(p)) + " experts on CUDA are not implemented yet in " +
                      std::string(backend) + " (" + p.config.quantization.describe() +
                      "); run them on the CPU, or dequantize the weights to bf16 first (dequantize_weights)");

@@ -12,9 +12,10 @@ namespace moekit::backends {
 // "FP8" or "FP4" for a quantised problem, as the refusals name the format.
 std::string_view quantized_format_label(const ExpertsProblem& p);
 
-// No CUDA kernel reads quantised weights yet: on a CUDA device, quantised problems are refused by name
-// ("FP8 experts on CUDA are not implemented yet in grouped_mm") instead of reading the bytes as bf16.
-Support quantized_cuda_support(const ExpertsProblem& p, std::string_view backend);
+// On a CUDA device, quantised problems are refused by name ("FP8 experts on CUDA are not implemented yet
+// in grouped_mm") instead of reading the bytes as bf16, except FP8 by a backend whose CUDA kernels read
+// e4m3 weights (fp8_kernels: batched_mm).
+Support quantized_cuda_support(const ExpertsProblem& p, std::string_view backend, bool fp8_kernels = false);
 
 // Backends that run quantised experts quantise activations on the fly (the dynamic scheme); a static
 // per-tensor scheme is refused with the reason.

@@ -4,7 +4,10 @@
 // (2) for each token, the down rows of a few hidden columns per warp over its K pairs in order k =
 // 0..K-1, with the bias and routing weight, so the weighted combine needs no atomics and no per-pair
 // output. Built for decode, where the work is reading the chosen experts' weights once.
+#include <cuda_fp8.h>
+
 #include <algorithm>
+#include <cfloat>
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/device_math.cuh"
@@ -246,8 +249,264 @@ __global__ void __launch_bounds__(256) down_cols_kernel(const ExpertsArgs a, con
     static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out_acc);
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// FP8 e4m3 weights with 128 x 128 block scales (DESIGN §3). The activations are quantised first, per
+// row and 128-wide group, into a float buffer of the values the products use (q * scale), bit for bit
+// as quantize_activations on the CPU; then the same two products as above read the e4m3 bytes 16 at a
+// time, convert them in registers and apply each 128-wide K block's scale to that block's partial sum.
+
+// round_to_e4m3 of quantization.cpp: the value of the nearest e4m3 code (ties to even), saturating at
+// 448, NaN kept.
+__device__ __forceinline__ float e4m3_value(float v) {
+  const float a = fabsf(v);
+  uint32_t bits = __float_as_uint(a);
+  bits = (bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u;
+  const float normal = __uint_as_float(bits);
+  const float subnormal = __fsub_rn(__fadd_rn(a, 16384.0f), 16384.0f);
+  float r = a < 0x1p-6f ? subnormal : normal;
+  r = r > 448.0f ? 448.0f : r;
+  r = a != a ? a : r;
+  return copysignf(r, v);
+}
+
+// The scale of a group whose largest magnitude is amax (block_scale of quantization.cpp).
+__device__ __forceinline__ float activation_scale(float amax, bool power_of_two) {
+  if (amax == 0.0f) return 1.0f;
+  const float scale = fmaxf(__fdiv_rn(amax, 448.0f), FLT_MIN);
+  if (!power_of_two) return scale;
+  const uint32_t bits = __float_as_uint(scale), exponent = bits >> 23;
+  const uint32_t code = min((bits & 0x7fffffu) != 0 ? exponent + 1 : exponent, 0xfeu);  // ue8m0_ceil
+  return __uint_as_float(code << 23);
+}
+
+// dst [rows, n] = quantised values of src [rows, n]. One block of 4 warps per row, one warp per group.
+template <typename S>
+__global__ void __launch_bounds__(128) quantize_rows_kernel(const S* src, int64_t n, bool power_of_two,
+                                                            float* dst) {  // may alias src
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const S* row = src + blockIdx.x * n;
+  float* out = dst + blockIdx.x * n;
+  for (int64_t g0 = static_cast<int64_t>(warp) * 128; g0 < n; g0 += 4 * 128) {
+    float v[4];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = g0 + lane + 32 * i;
+      v[i] = j < n ? to_f(row[j]) : 0.0f;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = activation_scale(amax, power_of_two);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = g0 + lane + 32 * i;
+      if (j < n) out[j] = __fmul_rn(e4m3_value(__fdiv_rn(v[i], scale)), scale);
+    }
+  }
+}
+
+__device__ __forceinline__ float block_scale_at(const ExpertsArgs& a, const void* scales, int64_t index) {
+  if (!a.ue8m0_scales) return static_cast<const float*>(scales)[index];
+  const uint32_t code = static_cast<const uint8_t*>(scales)[index];
+  if (code == 0xffu) return __int_as_float(0x7fc00000);
+  return code == 0 ? 0x1p-127f : __uint_as_float(code << 23);
+}
+
+// 16 e4m3 values (16 bytes, aligned) as floats.
+__device__ __forceinline__ void load_e4m3x16(const uint8_t* p, float (&v)[16]) {
+  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * h));
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+      v[4 * w + 2 * h] = f.x;
+      v[4 * w + 2 * h + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ float e4m3_to_f(uint8_t code) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3)));
+}
+
+// up: xq [T, H] (quantised) @ up_e [N, H]^T per pair -> hidden [P, I] (float), activation applied.
+// grid (P, ceil(I / 16)), block 128, dynamic shared memory H floats.
+template <typename T, bool kVectorised>
+__global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsArgs a, const float* __restrict__ xq,
+                                                                  float* __restrict__ hidden) {
+  extern __shared__ float x_shared[];
+  const int64_t pair = blockIdx.x, t = pair / a.top_k;
+  const int64_t e = load_id(a, pair);
+  if (e < 0 || e >= a.experts) return;
+  const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
+  const int64_t kb = (H + 127) / 128, nb = (N + 127) / 128;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) x_shared[h] = xq[t * H + h];
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kColsPerWarp;
+  const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * H;
+  constexpr int kRows = 2 * kColsPerWarp;
+  const uint8_t* rows[kRows];
+  int64_t scale_row[kRows];
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kColsPerWarp; ++r) {
+    const int64_t j = min(j0 + r, I - 1);
+    const int64_t gr = a.has_gate ? gate_col(a, j) : j, ur = a.has_gate ? up_col(a, j) : j;
+    rows[2 * r] = w + gr * H;
+    rows[2 * r + 1] = w + ur * H;
+    scale_row[2 * r] = (e * nb + gr / 128) * kb;
+    scale_row[2 * r + 1] = (e * nb + ur / 128) * kb;
+    acc[2 * r] = acc[2 * r + 1] = 0.0f;
+  }
+  if constexpr (kVectorised) {
+    for (int64_t h = lane * 16; h < H; h += 32 * 16) {
+      float wv[kRows][16];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) load_e4m3x16(rows[r] + h, wv[r]);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float partial = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) partial = fmaf(wv[r][i], x_shared[h + i], partial);
+        acc[r] = fmaf(block_scale_at(a, a.up_scale, scale_row[r] + h / 128), partial, acc[r]);
+      }
+    }
+  } else {
+    for (int64_t h = lane; h < H; h += 32) {
+      const float xi = x_shared[h];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        acc[r] = fmaf(e4m3_to_f(rows[r][h]) * block_scale_at(a, a.up_scale, scale_row[r] + h / 128), xi, acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane < kColsPerWarp) {
+    float g = 0.0f, u = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kColsPerWarp; ++r)
+      if (r == lane) g = acc[2 * r], u = acc[2 * r + 1];
+    const int64_t j = j0 + lane;
+    if (j < I) {
+      if (a.up_bias) {
+        const T* b = static_cast<const T*>(a.up_bias) + e * N;
+        g += to_f(b[a.has_gate ? gate_col(a, j) : j]);
+        if (a.has_gate) u += to_f(b[up_col(a, j)]);
+      }
+      hidden[pair * I + j] = activate(a, g, u);
+    }
+  }
+}
+
+// down: out[t, h] = sum_k w[t, k] * (down_e[h] . hq[t * K + k] + b2[e, h]), k in order; hq quantised.
+// One warp per kDownRows hidden columns, pairs in sequence. grid (T, ceil(H / 8)), block 128.
+template <typename T, bool kVectorised>
+__global__ void __launch_bounds__(kWarps * 32) down_rows_fp8_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
+  const int64_t t = blockIdx.x, H = a.hidden, I = a.intermediate;
+  const int64_t kb = (I + 127) / 128, hb = (H + 127) / 128;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kDownRows;
+  float out_acc[kDownRows] = {};
+  bool invalid = false;
+  for (int64_t k = 0; k < a.top_k; ++k) {
+    const int64_t pair = t * a.top_k + k;
+    const int64_t e = load_id(a, pair);
+    if (e < 0) invalid = true;
+    if (e < 0 || e >= a.experts) continue;
+    const uint8_t* w = static_cast<const uint8_t*>(a.down) + e * H * I;
+    const float* hid = hidden + pair * I;
+    const uint8_t* rows[kDownRows];
+    int64_t scale_row[kDownRows];
+    float acc[kDownRows];
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) {
+      const int64_t h = min(h0 + r, H - 1);
+      rows[r] = w + h * I;
+      scale_row[r] = (e * hb + h / 128) * kb;
+      acc[r] = 0.0f;
+    }
+    if constexpr (kVectorised) {
+      for (int64_t i = lane * 16; i < I; i += 32 * 16) {
+        float wv[kDownRows][16];
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) load_e4m3x16(rows[r] + i, wv[r]);
+        float hv[16];
+#pragma unroll
+        for (int v = 0; v < 16; v += 4) {
+          const float4 f = *reinterpret_cast<const float4*>(hid + i + v);
+          hv[v] = f.x, hv[v + 1] = f.y, hv[v + 2] = f.z, hv[v + 3] = f.w;
+        }
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          float partial = 0.0f;
+#pragma unroll
+          for (int v = 0; v < 16; ++v) partial = fmaf(wv[r][v], hv[v], partial);
+          acc[r] = fmaf(block_scale_at(a, a.down_scale, scale_row[r] + i / 128), partial, acc[r]);
+        }
+      }
+    } else {
+      for (int64_t i = lane; i < I; i += 32)
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r)
+          acc[r] = fmaf(e4m3_to_f(rows[r][i]) * block_scale_at(a, a.down_scale, scale_row[r] + i / 128), hid[i], acc[r]);
+    }
+    const float route = load_routing_weight<T>(a, pair);
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) {
+      float v = warp_sum(acc[r]);
+      if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[e * H + min(h0 + r, H - 1)]);
+      out_acc[r] = fmaf(route, v, out_acc[r]);
+    }
+  }
+  if (lane < kDownRows) {
+    float v = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r)
+      if (r == lane) v = out_acc[r];
+    const int64_t h = h0 + lane;
+    if (h < H) static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : v);
+  }
+}
+
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// hidden: [P, I] floats, then xq: [T, H] floats (the workspace of batched_mm_workspace_bytes).
+template <typename T>
+void launch_fp8(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
+  const int64_t P = a.tokens * a.top_k;
+  if (P == 0) return;
+  MOEKIT_CHECK(!a.transposed, "batched_mm: FP8 weights must not be transposed (validated earlier)");
+  float* xq = hidden + P * a.intermediate;
+  const std::size_t x_bytes = static_cast<std::size_t>(a.hidden) * sizeof(float);
+  quantize_rows_kernel<T><<<static_cast<unsigned>(a.tokens), 128, 0, stream>>>(static_cast<const T*>(a.x), a.hidden,
+                                                                                a.ue8m0_scales, xq);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+  const bool vec_up = a.hidden % 16 == 0 && aligned16(a.up);
+  const bool vec_down = a.intermediate % 16 == 0 && aligned16(a.down) && aligned16(hidden);
+  auto* up_kernel = vec_up ? up_rows_fp8_kernel<T, true> : up_rows_fp8_kernel<T, false>;
+  MOEKIT_CUDA_CHECK(
+      cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
+  up_kernel<<<dim3(static_cast<unsigned>(P),
+                   static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
+              kWarps * 32, x_bytes, stream>>>(a, xq, hidden);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+  quantize_rows_kernel<float><<<static_cast<unsigned>(P), 128, 0, stream>>>(hidden, a.intermediate, a.ue8m0_scales,
+                                                                            hidden);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+  auto* down_kernel = vec_down ? down_rows_fp8_kernel<T, true> : down_rows_fp8_kernel<T, false>;
+  constexpr int kDownPerBlock = kWarps * kDownRows;
+  down_kernel<<<dim3(static_cast<unsigned>(a.tokens),
+                     static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
+                kWarps * 32, 0, stream>>>(a, hidden);
+  MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
 template <typename T>
@@ -258,6 +517,7 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
                " is too large");
   MOEKIT_CHECK(P <= 0x7fffffff && a.tokens <= 0x7fffffff, "batched_mm: too many pairs for one launch");
   if (P == 0) return;
+  if (a.fp8) return launch_fp8<T>(a, hidden, stream);
   if (a.transposed) {
     auto* up_kernel = up_cols_kernel<T>;
     MOEKIT_CUDA_CHECK(
@@ -291,7 +551,8 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
 }  // namespace
 
 std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a) {
-  return static_cast<std::size_t>(a.tokens * a.top_k * a.intermediate) * sizeof(float);
+  const int64_t quantised_x = a.fp8 ? a.tokens * a.hidden : 0;
+  return static_cast<std::size_t>(a.tokens * a.top_k * a.intermediate + quantised_x) * sizeof(float);
 }
 
 void batched_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {

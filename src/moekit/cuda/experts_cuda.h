@@ -30,6 +30,13 @@ struct ExpertsArgs {
   bool has_gate = true, transposed = false, concatenated = true;
   Act act = Act::silu;
   float swiglu_limit = 0, swiglu_alpha = 0;
+  // FP8 e4m3 weights (batched_mm only): up and down hold the e4m3 bytes, up_scale [E, ceil(N/128),
+  // ceil(H/128)] and down_scale [E, ceil(H/128), ceil(I/128)] their block scales (f32, or ue8m0 bytes);
+  // activations are quantised per row and 128-wide group as quantize_activations (quantization.h) does.
+  bool fp8 = false;
+  bool ue8m0_scales = false;
+  const void* up_scale = nullptr;
+  const void* down_scale = nullptr;
   void* out = nullptr;  // [T, H]
 };
 
