@@ -314,27 +314,34 @@ __device__ __forceinline__ float block_scale_at(const ExpertsArgs& a, const void
   return code == 0 ? 0x1p-127f : __uint_as_float(code << 23);
 }
 
-// 16 e4m3 values (16 bytes, aligned) as floats.
-__device__ __forceinline__ void load_e4m3x16(const uint8_t* p, float (&v)[16]) {
-  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+// sum_i e4m3(raw[i]) * x[i] over the 16 codes of raw, converting two at a time (the loads of all rows are
+// issued before any conversion, so many bytes are in flight per warp).
+__device__ __forceinline__ float dot_e4m3x16(const uint4 raw, const float* x) {
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  float partial = 0.0f;
 #pragma unroll
   for (int w = 0; w < 4; ++w)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * h));
       const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-      v[4 * w + 2 * h] = f.x;
-      v[4 * w + 2 * h + 1] = f.y;
+      partial = fmaf(f.x, x[4 * w + 2 * h], partial);
+      partial = fmaf(f.y, x[4 * w + 2 * h + 1], partial);
     }
+  return partial;
 }
 
 __device__ __forceinline__ float e4m3_to_f(uint8_t code) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3)));
 }
 
+// FP8 rows are half as long as bf16 ones: each warp takes twice the columns to keep as many bytes in
+// flight.
+constexpr int kFp8ColsPerWarp = 8;
+constexpr int kFp8ColsPerBlock = kWarps * kFp8ColsPerWarp;
+
 // up: xq [T, H] (quantised) @ up_e [N, H]^T per pair -> hidden [P, I] (float), activation applied.
-// grid (P, ceil(I / 16)), block 128, dynamic shared memory H floats.
+// grid (P, ceil(I / 32)), block 128, dynamic shared memory H floats.
 template <typename T, bool kVectorised>
 __global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsArgs a, const float* __restrict__ xq,
                                                                   float* __restrict__ hidden) {
@@ -348,14 +355,14 @@ __global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsA
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kColsPerWarp;
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kFp8ColsPerWarp;
   const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * H;
-  constexpr int kRows = 2 * kColsPerWarp;
+  constexpr int kRows = 2 * kFp8ColsPerWarp;
   const uint8_t* rows[kRows];
   int64_t scale_row[kRows];
   float acc[kRows];
 #pragma unroll
-  for (int r = 0; r < kColsPerWarp; ++r) {
+  for (int r = 0; r < kFp8ColsPerWarp; ++r) {
     const int64_t j = min(j0 + r, I - 1);
     const int64_t gr = a.has_gate ? gate_col(a, j) : j, ur = a.has_gate ? up_col(a, j) : j;
     rows[2 * r] = w + gr * H;
@@ -366,16 +373,12 @@ __global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsA
   }
   if constexpr (kVectorised) {
     for (int64_t h = lane * 16; h < H; h += 32 * 16) {
-      float wv[kRows][16];
+      uint4 raw[kRows];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) load_e4m3x16(rows[r] + h, wv[r]);
+      for (int r = 0; r < kRows; ++r) raw[r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + h));
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float partial = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) partial = fmaf(wv[r][i], x_shared[h + i], partial);
-        acc[r] = fmaf(block_scale_at(a, a.up_scale, scale_row[r] + h / 128), partial, acc[r]);
-      }
+      for (int r = 0; r < kRows; ++r)
+        acc[r] = fmaf(block_scale_at(a, a.up_scale, scale_row[r] + h / 128), dot_e4m3x16(raw[r], x_shared + h), acc[r]);
     }
   } else {
     for (int64_t h = lane; h < H; h += 32) {
@@ -387,10 +390,10 @@ __global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsA
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = warp_sum(acc[r]);
-  if (lane < kColsPerWarp) {
+  if (lane < kFp8ColsPerWarp) {
     float g = 0.0f, u = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kColsPerWarp; ++r)
+    for (int r = 0; r < kFp8ColsPerWarp; ++r)
       if (r == lane) g = acc[2 * r], u = acc[2 * r + 1];
     const int64_t j = j0 + lane;
     if (j < I) {
@@ -405,7 +408,8 @@ __global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsA
 }
 
 // down: out[t, h] = sum_k w[t, k] * (down_e[h] . hq[t * K + k] + b2[e, h]), k in order; hq quantised.
-// One warp per kDownRows hidden columns, pairs in sequence. grid (T, ceil(H / 8)), block 128.
+// Each warp takes kDownRows hidden columns and kPairsAtOnce pairs at a time (their loads issued together),
+// adding the pairs to the output in order k = 0..K-1. grid (T, ceil(H / 8)), block 128.
 template <typename T, bool kVectorised>
 __global__ void __launch_bounds__(kWarps * 32) down_rows_fp8_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
   const int64_t t = blockIdx.x, H = a.hidden, I = a.intermediate;
@@ -414,54 +418,75 @@ __global__ void __launch_bounds__(kWarps * 32) down_rows_fp8_kernel(const Expert
   const int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kDownRows;
   float out_acc[kDownRows] = {};
   bool invalid = false;
-  for (int64_t k = 0; k < a.top_k; ++k) {
-    const int64_t pair = t * a.top_k + k;
-    const int64_t e = load_id(a, pair);
-    if (e < 0) invalid = true;
-    if (e < 0 || e >= a.experts) continue;
-    const uint8_t* w = static_cast<const uint8_t*>(a.down) + e * H * I;
-    const float* hid = hidden + pair * I;
-    const uint8_t* rows[kDownRows];
-    int64_t scale_row[kDownRows];
-    float acc[kDownRows];
+  for (int64_t k0 = 0; k0 < a.top_k; k0 += kPairsAtOnce) {
+    const uint8_t* rows[kPairsAtOnce][kDownRows];
+    int64_t scale_row[kPairsAtOnce][kDownRows];
+    const float* hid[kPairsAtOnce];
+    int64_t expert[kPairsAtOnce];
+    float acc[kPairsAtOnce][kDownRows];
 #pragma unroll
-    for (int r = 0; r < kDownRows; ++r) {
-      const int64_t h = min(h0 + r, H - 1);
-      rows[r] = w + h * I;
-      scale_row[r] = (e * hb + h / 128) * kb;
-      acc[r] = 0.0f;
+    for (int q = 0; q < kPairsAtOnce; ++q) {
+      const int64_t k = k0 + q, pair = t * a.top_k + k;
+      const bool present = k < a.top_k;
+      int64_t e = present ? load_id(a, pair) : -1;
+      if (present && e < 0) invalid = true;
+      if (e < 0 || e >= a.experts) e = -1;
+      expert[q] = e;
+      const int64_t ee = e < 0 ? 0 : e;
+      const uint8_t* w = static_cast<const uint8_t*>(a.down) + ee * H * I;
+      hid[q] = hidden + (e < 0 ? t * a.top_k : pair) * I;
+#pragma unroll
+      for (int r = 0; r < kDownRows; ++r) {
+        const int64_t h = min(h0 + r, H - 1);
+        rows[q][r] = w + h * I;
+        scale_row[q][r] = (ee * hb + h / 128) * kb;
+        acc[q][r] = 0.0f;
+      }
     }
     if constexpr (kVectorised) {
       for (int64_t i = lane * 16; i < I; i += 32 * 16) {
-        float wv[kDownRows][16];
+        uint4 raw[kPairsAtOnce][kDownRows];
 #pragma unroll
-        for (int r = 0; r < kDownRows; ++r) load_e4m3x16(rows[r] + i, wv[r]);
-        float hv[16];
+        for (int q = 0; q < kPairsAtOnce; ++q)
 #pragma unroll
-        for (int v = 0; v < 16; v += 4) {
-          const float4 f = *reinterpret_cast<const float4*>(hid + i + v);
-          hv[v] = f.x, hv[v + 1] = f.y, hv[v + 2] = f.z, hv[v + 3] = f.w;
-        }
+          for (int r = 0; r < kDownRows; ++r)
+            if (expert[q] >= 0) raw[q][r] = __ldcs(reinterpret_cast<const uint4*>(rows[q][r] + i));
 #pragma unroll
-        for (int r = 0; r < kDownRows; ++r) {
-          float partial = 0.0f;
+        for (int q = 0; q < kPairsAtOnce; ++q) {
+          if (expert[q] < 0) continue;
+          float hv[16];
 #pragma unroll
-          for (int v = 0; v < 16; ++v) partial = fmaf(wv[r][v], hv[v], partial);
-          acc[r] = fmaf(block_scale_at(a, a.down_scale, scale_row[r] + i / 128), partial, acc[r]);
+          for (int v = 0; v < 16; v += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(hid[q] + i + v);
+            hv[v] = f.x, hv[v + 1] = f.y, hv[v + 2] = f.z, hv[v + 3] = f.w;
+          }
+#pragma unroll
+          for (int r = 0; r < kDownRows; ++r)
+            acc[q][r] = fmaf(block_scale_at(a, a.down_scale, scale_row[q][r] + i / 128), dot_e4m3x16(raw[q][r], hv),
+                             acc[q][r]);
         }
       }
     } else {
       for (int64_t i = lane; i < I; i += 32)
 #pragma unroll
-        for (int r = 0; r < kDownRows; ++r)
-          acc[r] = fmaf(e4m3_to_f(rows[r][i]) * block_scale_at(a, a.down_scale, scale_row[r] + i / 128), hid[i], acc[r]);
-    }
-    const float route = load_routing_weight<T>(a, pair);
+        for (int q = 0; q < kPairsAtOnce; ++q) {
+          if (expert[q] < 0) continue;
 #pragma unroll
-    for (int r = 0; r < kDownRows; ++r) {
-      float v = warp_sum(acc[r]);
-      if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[e * H + min(h0 + r, H - 1)]);
-      out_acc[r] = fmaf(route, v, out_acc[r]);
+          for (int r = 0; r < kDownRows; ++r)
+            acc[q][r] = fmaf(e4m3_to_f(rows[q][r][i]) * block_scale_at(a, a.down_scale, scale_row[q][r] + i / 128),
+                             hid[q][i], acc[q][r]);
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < kPairsAtOnce; ++q) {  // in order k0, k0 + 1, ...
+      if (expert[q] < 0) continue;
+      const float route = load_routing_weight<T>(a, t * a.top_k + k0 + q);
+#pragma unroll
+      for (int r = 0; r < kDownRows; ++r) {
+        float v = warp_sum(acc[q][r]);
+        if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[expert[q] * H + min(h0 + r, H - 1)]);
+        out_acc[r] = fmaf(route, v, out_acc[r]);
+      }
     }
   }
   if (lane < kDownRows) {
@@ -495,7 +520,7 @@ void launch_fp8(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   MOEKIT_CUDA_CHECK(
       cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
   up_kernel<<<dim3(static_cast<unsigned>(P),
-                   static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
+                   static_cast<unsigned>((a.intermediate + kFp8ColsPerBlock - 1) / kFp8ColsPerBlock)),
               kWarps * 32, x_bytes, stream>>>(a, xq, hidden);
   MOEKIT_CUDA_CHECK_LAUNCH();
   quantize_rows_kernel<float><<<static_cast<unsigned>(P), 128, 0, stream>>>(hidden, a.intermediate, a.ue8m0_scales,
