@@ -73,7 +73,9 @@ def run_transformers(args, backend, prompt):
                                                           min_new_tokens=args.new_tokens, do_sample=False,
                                                           pad_token_id=0))
                 prefill.append(len(prompt) / t_prefill)
-                decode.append((args.new_tokens - 1) / max(t_generate - t_prefill, 1e-9))
+                if t_generate <= t_prefill:  # a noisy machine: the difference measures nothing
+                    return None, None, f"generate ({t_generate:.3f} s) took less than prefill ({t_prefill:.3f} s)"
+                decode.append((args.new_tokens - 1) / (t_generate - t_prefill))
     except Exception as e:  # out of memory, say
         return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
     finally:
