@@ -54,6 +54,9 @@ struct GenerationResult {
   std::map<std::string, std::string> prefill_backends, decode_backends;
 };
 
+// {"": "grouped_mm", "text_config": "eager"} as one line: "": grouped_mm, text_config: eager.
+std::string experts_implementation_text(const std::map<std::string, std::string>& backends);
+
 class CausalLM {
  public:
   // Reads dir/config.json and its safetensors; every error names the file, key or tensor.

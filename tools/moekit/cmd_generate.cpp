@@ -17,13 +17,6 @@
 namespace moekit::cli {
 namespace {
 
-std::string backends_text(const std::map<std::string, std::string>& backends) {
-  std::string out;
-  for (const auto& [backbone, name] : backends)
-    out += (out.empty() ? "" : ", ") + (backbone.empty() ? std::string("\"\"") : backbone) + ": " + name;
-  return out;
-}
-
 struct GenerateOptions {
   ModelOptions model;
   std::string prompt = "The experts of a mixture";
@@ -84,10 +77,10 @@ void run_generate(const GenerateOptions& o) {
   auto rate = [](int64_t tokens, double seconds) { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0; };
   std::fprintf(stderr, "prefill: %lld tokens in %.6f s (%.1f tokens/s), experts %s\n",
                static_cast<long long>(r.prefill_tokens), r.prefill_seconds, rate(r.prefill_tokens, r.prefill_seconds),
-               backends_text(r.prefill_backends).c_str());
+               experts_implementation_text(r.prefill_backends).c_str());
   std::fprintf(stderr, "decode:  %lld tokens in %.6f s (%.1f tokens/s), experts %s\n",
                static_cast<long long>(r.decode_tokens), r.decode_seconds, rate(r.decode_tokens, r.decode_seconds),
-               r.decode_backends.empty() ? "(no decode step)" : backends_text(r.decode_backends).c_str());
+               r.decode_backends.empty() ? "(no decode step)" : experts_implementation_text(r.decode_backends).c_str());
   std::fprintf(stderr, "stopped: %s after %zu new tokens\n", r.stop_reason.c_str(), r.tokens.size());
 }
 

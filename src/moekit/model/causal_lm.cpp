@@ -547,13 +547,18 @@ int64_t CausalLM::num_layers() const {
   return impl_->config.num_hidden_layers;
 }
 
+std::string experts_implementation_text(const std::map<std::string, std::string>& backends) {
+  std::string out;
+  for (const auto& [backbone, name] : backends)
+    out += (out.empty() ? "" : ", ") + (backbone.empty() ? std::string("\"\"") : backbone) + ": " + name;
+  return out;
+}
+
 std::string CausalLM::describe() const {
   const ModelConfig& c = impl_->config;
   int64_t moe_layers = 0;
   for (bool moe : c.layer_is_moe) moe_layers += moe ? 1 : 0;
-  std::string backends;
-  for (const auto& [backbone, name] : impl_->experts_implementation.get())
-    backends += (backends.empty() ? "" : ", ") + (backbone.empty() ? std::string("\"\"") : backbone) + ": " + name;
+  const std::string backends = experts_implementation_text(impl_->experts_implementation.get());
   return c.model_type + ": " + std::to_string(c.num_hidden_layers) + " layers (" + std::to_string(moe_layers) +
          " MoE), hidden " + std::to_string(c.hidden_size) + ", " + std::to_string(c.num_experts) + " experts top-" +
          std::to_string(c.num_experts_per_tok) + ", vocab " + std::to_string(c.vocab_size) + ", " +

@@ -157,6 +157,14 @@ void check_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   }
 }
 
+#if MOEKIT_HAS_CUDA
+// The device scratch of one CUDA linear product.
+Tensor linear_workspace(const Tensor& x, int64_t out_features) {
+  const auto bytes = cuda::linear_workspace_bytes(x.size(0), x.size(1), out_features);
+  return Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, x.device());
+}
+#endif
+
 // x @ weight^T in float on the CPU: [T * N] values.
 std::vector<float> cpu_product(const Tensor& x, const Tensor& weight) {
   const int64_t T = x.size(0), K = x.size(1), N = weight.size(0);
@@ -194,10 +202,8 @@ Tensor linear_f32(const Tensor& x, const Tensor& weight) {
   Tensor out = Tensor::empty({T, N}, DType::f32, x.device());
   if (x.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
-    const int64_t K = x.size(1);
-    Tensor workspace = Tensor::empty({static_cast<int64_t>(cuda::linear_workspace_bytes(T, K, N))}, DType::u8,
-                                     x.device());
-    cuda::linear_forward_f32(x.data(), weight.data(), T, K, N, x.dtype(), out.data_as<float>(), workspace.data(),
+    Tensor workspace = linear_workspace(x, N);
+    cuda::linear_forward_f32(x.data(), weight.data(), T, x.size(1), N, x.dtype(), out.data_as<float>(), workspace.data(),
                              kStream);
     return out;
 #else
@@ -214,11 +220,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const int64_t T = x.size(0), N = weight.size(0);
   if (x.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
-    const int64_t K = x.size(1);
     Tensor out = Tensor::empty({T, N}, x.dtype(), x.device());
-    Tensor workspace = Tensor::empty({static_cast<int64_t>(cuda::linear_workspace_bytes(T, K, N))}, DType::u8,
-                                     x.device());
-    cuda::linear_forward(x.data(), weight.data(), bias.defined() ? bias.data() : nullptr, T, K, N, x.dtype(),
+    Tensor workspace = linear_workspace(x, N);
+    cuda::linear_forward(x.data(), weight.data(), bias.defined() ? bias.data() : nullptr, T, x.size(1), N, x.dtype(),
                          out.data(), workspace.data(), kStream);
     return out;
 #else
