@@ -138,6 +138,11 @@ add_cli_test(cli_quantize_generate EXPECT success
              ARGS generate --model ${CMAKE_CURRENT_BINARY_DIR}/cli_quantized_fp4 --prompt-tokens 1,2,3
                   --max-new-tokens 4 --experts-implementation batched_mm)
 set_tests_properties(cli_quantize_generate PROPERTIES FIXTURES_REQUIRED cli_quantized)
+add_cli_test(cli_quantize_generate_dequantized EXPECT success
+             PATTERNS "fp4_e2m1 experts dequantised at load" "stopped: max new tokens after 4 new tokens"
+             ARGS generate --model ${CMAKE_CURRENT_BINARY_DIR}/cli_quantized_fp4 --prompt-tokens 1,2,3
+                  --max-new-tokens 4 --dequantize)
+set_tests_properties(cli_quantize_generate_dequantized PROPERTIES FIXTURES_REQUIRED cli_quantized)
 add_cli_test(cli_quantize_bad_format EXPECT failure PATTERNS "unknown format 'int4'" "fp8, fp8-ue8m0, fp4"
              ARGS quantize --model ${fixture_models}/qwen3_moe --out ${CMAKE_CURRENT_BINARY_DIR}/unused_quantized
                   --format int4)
