@@ -58,18 +58,7 @@ std::vector<int32_t> prompt_of(const std::string& model) {
   return {prompt.data_as<int32_t>(), prompt.data_as<int32_t>() + prompt.numel()};
 }
 
-// ||a - b|| / ||b|| over rows [begin, end) of two [T, V] float32 tensors; NaN never passes.
-double relative_l2(const Tensor& a, const Tensor& b, int64_t begin, int64_t end) {
-  const int64_t V = b.size(1);
-  double diff = 0, norm = 0;
-  for (int64_t i = begin * V; i < end * V; ++i) {
-    const double x = a.data_as<float>()[i], y = b.data_as<float>()[i];
-    if (!std::isfinite(x)) return INFINITY;
-    diff += (x - y) * (x - y);
-    norm += y * y;
-  }
-  return std::sqrt(diff / norm);
-}
+using test::relative_l2;
 
 // The worst row's error, after checking the whole.
 double expect_close(const Tensor& ours, const Tensor& theirs, double overall, double per_row) {
