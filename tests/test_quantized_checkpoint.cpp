@@ -419,3 +419,37 @@ TEST(QuantizeCheckpoint, RefusesBadFormatAndQuantizedInput) {
 }
 
 }  // namespace
+
+namespace {
+
+// quantization_config parsed on its own: the fields transformers writes, and what the loader cannot honour.
+TEST(QuantizationConfigParse, FieldsAndRefusals) {
+  nlohmann::json config;
+  std::ifstream(fixture_dir("qwen3_moe") + "/config.json") >> config;
+  EXPECT_FALSE(parse_model_config(config).quantization.present);
+  config["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}};  // DeepSeek-V3's, defaults otherwise
+  ModelConfig c = parse_model_config(config);
+  EXPECT_TRUE(c.quantization.present);
+  EXPECT_EQ(c.quantization.experts, WeightFormat::fp8_e4m3);
+  EXPECT_FALSE(c.quantization.ue8m0_scales);
+  EXPECT_EQ(c.experts.quantization.weights, WeightFormat::fp8_e4m3);
+  config["quantization_config"]["scale_fmt"] = "ue8m0";
+  EXPECT_TRUE(parse_model_config(config).quantization.ue8m0_scales);
+  config["quantization_config"]["expert_dtype"] = "fp4";
+  EXPECT_EQ(parse_model_config(config).experts.quantization.weights, WeightFormat::fp4_e2m1);
+
+  const std::vector<std::pair<std::pair<std::string, nlohmann::json>, std::string>> refusals = {
+      {{"scale_fmt", "e5m2"}, "scale_fmt 'e5m2' is unknown"},
+      {{"expert_dtype", "int4"}, "expert_dtype 'int4' is unknown"},
+      {{"activation_scheme", "per_tensor"}, "activation_scheme 'per_tensor' is unknown"},
+      {{"weight_block_size", 128}, "weight_block_size is 128"},
+      {{"quant_method", 8}, "quant_method must be a string"},
+  };
+  for (const auto& [field, message] : refusals) {
+    nlohmann::json bad = config;
+    bad["quantization_config"][field.first] = field.second;
+    EXPECT_TRUE(test::throws_error_with([&] { parse_model_config(bad); }, {"quantization_config", message}));
+  }
+}
+
+}  // namespace
