@@ -124,3 +124,25 @@ foreach(weights fp8 fp8-ue8m0 fp4)
 endforeach()
 add_cli_test(cli_bench_weights_unknown EXPECT failure PATTERNS "--weights" "int4"
              ARGS bench --weights int4)
+# moekit quantize: a fixture's experts to FP4 (the qwen3_moe fixture's I = 24 runs FP4 quantised; FP8 would be
+# dequantised at load), then generation from the copy names the quantised experts. The output directory is
+# cleared first so that the tests run again.
+add_test(NAME cli_quantize_clean COMMAND ${CMAKE_COMMAND} -E rm -rf ${CMAKE_CURRENT_BINARY_DIR}/cli_quantized_fp4)
+set_tests_properties(cli_quantize_clean PROPERTIES FIXTURES_SETUP cli_quantize_clean)
+add_cli_test(cli_quantize_fp4 EXPECT success PATTERNS "quantizing experts to fp4: 48/48" "wrote .*cli_quantized_fp4"
+             ARGS quantize --model ${fixture_models}/qwen3_moe --out ${CMAKE_CURRENT_BINARY_DIR}/cli_quantized_fp4
+                  --format fp4)
+set_tests_properties(cli_quantize_fp4 PROPERTIES FIXTURES_REQUIRED cli_quantize_clean FIXTURES_SETUP cli_quantized)
+add_cli_test(cli_quantize_generate EXPECT success
+             PATTERNS "quantised experts: fp4_e2m1" "stopped: max new tokens after 4 new tokens"
+             ARGS generate --model ${CMAKE_CURRENT_BINARY_DIR}/cli_quantized_fp4 --prompt-tokens 1,2,3
+                  --max-new-tokens 4 --experts-implementation batched_mm)
+set_tests_properties(cli_quantize_generate PROPERTIES FIXTURES_REQUIRED cli_quantized)
+add_cli_test(cli_quantize_generate_dequantized EXPECT success
+             PATTERNS "fp4_e2m1 experts dequantised at load" "stopped: max new tokens after 4 new tokens"
+             ARGS generate --model ${CMAKE_CURRENT_BINARY_DIR}/cli_quantized_fp4 --prompt-tokens 1,2,3
+                  --max-new-tokens 4 --dequantize)
+set_tests_properties(cli_quantize_generate_dequantized PROPERTIES FIXTURES_REQUIRED cli_quantized)
+add_cli_test(cli_quantize_bad_format EXPECT failure PATTERNS "unknown format 'int4'" "fp8, fp8-ue8m0, fp4"
+             ARGS quantize --model ${fixture_models}/qwen3_moe --out ${CMAKE_CURRENT_BINARY_DIR}/unused_quantized
+                  --format int4)

@@ -24,6 +24,20 @@
 
 namespace moekit::test {
 
+// ||a - b|| / ||b|| over the rows [row_begin, row_end) of two [T, V] float32 tensors (logits); a value of a
+// that is not finite gives infinity, so NaN never passes.
+inline double relative_l2(const Tensor& a, const Tensor& b, int64_t row_begin, int64_t row_end) {
+  const int64_t V = b.size(1);
+  double diff = 0, norm = 0;
+  for (int64_t i = row_begin * V; i < row_end * V; ++i) {
+    const double x = a.data_as<float>()[i], y = b.data_as<float>()[i];
+    if (!std::isfinite(x)) return std::numeric_limits<double>::infinity();
+    diff += (x - y) * (x - y);
+    norm += y * y;
+  }
+  return std::sqrt(diff / norm);
+}
+
 // A fresh directory per test (under group), so tests running in parallel never share files.
 inline std::filesystem::path temp_dir(const std::string& group) {
   const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "harness.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
 #include "moekit/safetensors.h"
@@ -46,18 +47,7 @@ Expected load_expected(const std::string& name) {
   return e;
 }
 
-// ||a - b|| / ||b|| over the rows [row_begin, row_end) of two [T, V] float32 tensors.
-double relative_l2(const Tensor& a, const Tensor& b, int64_t row_begin, int64_t row_end) {
-  const int64_t V = b.size(1);
-  double diff = 0, norm = 0;
-  for (int64_t i = row_begin * V; i < row_end * V; ++i) {
-    const double x = a.data_as<float>()[i], y = b.data_as<float>()[i];
-    if (std::isnan(x)) return INFINITY;
-    diff += (x - y) * (x - y);
-    norm += y * y;
-  }
-  return std::sqrt(diff / norm);
-}
+using test::relative_l2;
 
 void expect_logits_close(const Tensor& ours, const Tensor& theirs, double overall, double per_row) {
   ASSERT_EQ(ours.shape(), theirs.shape());

@@ -29,6 +29,12 @@ struct LoadOptions {
   // One backend name for every backbone, or a JSON object {"": name, "<sub-config>": name}.
   std::string experts_implementation = "grouped_mm";
   bool progress = true;  // a progress line on stderr while loading large checkpoints
+  // Pre-quantised checkpoints (config.json quantization_config, transformers' "fp8" method): false keeps
+  // the experts FP8 / FP4 (run by the CPU batched_mm, grouped_mm and eager; CUDA backends refuse them
+  // with a reason); true dequantises them to the model's dtype at load so that every backend runs them.
+  // FP8 experts whose intermediate size is not a multiple of 128 are always dequantised (their gate and
+  // up rows do not share scale blocks once fused). Quantised dense linears are always dequantised.
+  bool dequantize = false;
 };
 
 struct GenerationConfig {
@@ -107,5 +113,21 @@ struct RandomModelSpec {
 };
 std::vector<std::pair<std::string, std::string>> random_model_presets();  // (name, description)
 void write_random_model(const std::string& dir, const RandomModelSpec& spec);
+
+// Writes a copy of the float checkpoint in src_dir (f32, f16 or bf16; single file or sharded) to dst_dir
+// with its per-expert weights ("...experts.{i}.gate_proj/up_proj/down_proj.weight", Mixtral's w1/w3/w2)
+// block-quantised as transformers' FP8 checkpoints store them: each weight as F8_E4M3 [N, K] with
+// "<name>_scale_inv" float32 [ceil(N/128), ceil(K/128)], and config.json's quantization_config
+// {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+// "modules_to_not_convert": [every other linear]}. Formats: "fp8"; "fp8-ue8m0" (power-of-two scales,
+// "scale_fmt": "ue8m0"); "fp4" (moekit's variant, "expert_dtype": "fp4": F4 e2m1 weights, F8_E8M0 scales
+// [N, ceil(K/32)]). Every other tensor is copied as it is into one model.safetensors; the other files
+// (tokenizer, generation config) are copied. Refuses an already quantised checkpoint and a dst_dir that
+// holds a config.json.
+struct QuantizeOptions {
+  std::string format = "fp8";  // fp8 | fp8-ue8m0 | fp4
+  bool progress = true;        // a progress line on stderr
+};
+void quantize_checkpoint(const std::string& src_dir, const std::string& dst_dir, const QuantizeOptions& options = {});
 
 }  // namespace moekit

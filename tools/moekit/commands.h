@@ -12,5 +12,6 @@ void add_bench_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_forward_command(CLI::App& app);
 void add_make_model_command(CLI::App& app);
+void add_quantize_command(CLI::App& app);
 
 }  // namespace moekit::cli

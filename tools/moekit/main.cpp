@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   moekit::cli::add_generate_command(app);
   moekit::cli::add_forward_command(app);
   moekit::cli::add_make_model_command(app);
+  moekit::cli::add_quantize_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

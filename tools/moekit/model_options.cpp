@@ -20,6 +20,9 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("--experts-implementation", o.experts_implementation,
                   "Experts backend, or a JSON map {\"\": name, \"<sub-config>\": name}")
       ->capture_default_str();
+  cmd->add_flag("--dequantize", o.dequantize,
+                "Dequantise a pre-quantised checkpoint's FP8 / FP4 experts to the model dtype at load, so that "
+                "every backend (CUDA ones too) runs them");
 }
 
 std::string resolve_model_dir(const ModelOptions& o) {
@@ -48,6 +51,7 @@ LoadOptions load_options(const ModelOptions& o) {
   if (!o.dtype.empty()) l.dtype = parse_dtype(o.dtype);
   l.device = parse_device(o.device);
   l.experts_implementation = o.experts_implementation;
+  l.dequantize = o.dequantize;
   return l;
 }
 

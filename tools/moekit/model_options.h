@@ -1,5 +1,5 @@
-// The flags every model command shares (--model, --device, --dtype, --experts-implementation) and the
-// built-in random model that runs when --model is not given.
+// The flags every model command shares (--model, --device, --dtype, --experts-implementation, --dequantize)
+// and the built-in random model that runs when --model is not given.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -16,6 +16,7 @@ struct ModelOptions {
   std::string device = "cpu";
   std::string dtype;  // empty: the checkpoint's own
   std::string experts_implementation = "grouped_mm";
+  bool dequantize = false;  // quantised experts to the model dtype at load (LoadOptions::dequantize)
 };
 
 void add_model_options(CLI::App* cmd, ModelOptions& options);

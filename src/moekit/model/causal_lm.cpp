@@ -86,11 +86,16 @@ class WeightReader {
 
   Tensor load(const std::string& name, const Shape& shape, std::optional<DType> dtype = std::nullopt) {
     used_.insert(name);
+    used_.insert(name + "_scale_inv");  // an FP8 linear's block scales, read (and dequantised) with it
     return checkpoint_.load(name, dtype.value_or(dtype_), shape);
   }
-  FusedExperts experts(const std::string& prefix, int64_t E, int64_t H, int64_t I) {
+  // Quantised experts stay quantised unless `dequantize` (ExpertsConfig follows: see load_weights).
+  FusedExperts experts(const std::string& prefix, int64_t E, int64_t H, int64_t I, const CheckpointQuantization& q,
+                       bool dequantize) {
     expert_prefixes_.push_back(prefix + ".");
-    return checkpoint_.experts(prefix, E, H, I, dtype_);
+    if (q.experts == WeightFormat::none) return checkpoint_.experts(prefix, E, H, I, dtype_);
+    return checkpoint_.quantized_experts(prefix, E, H, I, q.experts, q.ue8m0_scales,
+                                         dequantize ? std::optional<DType>(dtype_) : std::nullopt);
   }
   bool contains(const std::string& name) const { return checkpoint_.contains(name); }
   bool any_under(const std::string& prefix) const {
@@ -154,6 +159,7 @@ struct CausalLM::Impl {
   std::vector<LayerCache> cache;
   int64_t cached_positions = 0;
   std::vector<std::string> last_step_backends;
+  bool dequantize_experts = false;  // quantised experts turned into dtype at load
 
   Impl(const std::string& dir, const LoadOptions& options)
       : checkpoint(dir),
@@ -172,6 +178,11 @@ struct CausalLM::Impl {
     }
     MOEKIT_CHECK(is_floating(dtype), "from_pretrained: dtype must be f32, f16 or bf16, got ", dtype_name(dtype));
     experts_implementation.set_from_text(options.experts_implementation);
+    if (config.quantization.experts != WeightFormat::none) {
+      dequantize_experts = options.dequantize || (config.quantization.experts == WeightFormat::fp8_e4m3 &&
+                                                  config.moe_intermediate_size % kFp8BlockSize != 0);
+      if (dequantize_experts) config.experts.quantization = QuantizationConfig();
+    }
     load_weights();
     if (device.is_cuda()) move_weights_to_device();
     rotary = rotary_tables(config);
@@ -283,7 +294,7 @@ struct CausalLM::Impl {
     m.router_weight = r.load(block + "gate.weight", {E, H});
     if (c.router.kind == RouterKind::deepseek_v3)
       m.correction_bias = r.load(block + "gate.e_score_correction_bias", {E}, DType::f32);
-    m.experts = r.experts(block + "experts", E, H, c.moe_intermediate_size);
+    m.experts = r.experts(block + "experts", E, H, c.moe_intermediate_size, c.quantization, dequantize_experts);
     if (c.shared_expert_intermediate_size > 0) {  // qwen2_moe
       const int64_t Is = c.shared_expert_intermediate_size;
       m.shared_gate_proj = r.load(block + "shared_expert.gate_proj.weight", {Is, H});
@@ -325,7 +336,8 @@ struct CausalLM::Impl {
       MoeBlockWeights& m = l.moe_block;
       for (Tensor* t : {&m.router_weight, &m.router_bias, &m.correction_bias, &m.experts.gate_up_proj,
                         &m.experts.down_proj, &m.experts.gate_up_proj_bias, &m.experts.down_proj_bias,
-                        &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_expert_gate})
+                        &m.experts.gate_up_proj_scale_inv, &m.experts.down_proj_scale_inv, &m.shared_gate_proj,
+                        &m.shared_up_proj, &m.shared_down_proj, &m.shared_expert_gate})
         move(*t);
     }
   }
@@ -558,11 +570,17 @@ std::string CausalLM::describe() const {
   const ModelConfig& c = impl_->config;
   int64_t moe_layers = 0;
   for (bool moe : c.layer_is_moe) moe_layers += moe ? 1 : 0;
+  std::string quantization;
+  if (c.quantization.experts != WeightFormat::none)
+    quantization = impl_->dequantize_experts
+                       ? "; " + std::string(weight_format_name(c.quantization.experts)) + " experts dequantised at load"
+                       : "; quantised experts: " + c.experts.quantization.describe();
   const std::string backends = experts_implementation_text(impl_->experts_implementation.get());
   return c.model_type + ": " + std::to_string(c.num_hidden_layers) + " layers (" + std::to_string(moe_layers) +
          " MoE), hidden " + std::to_string(c.hidden_size) + ", " + std::to_string(c.num_experts) + " experts top-" +
          std::to_string(c.num_experts_per_tok) + ", vocab " + std::to_string(c.vocab_size) + ", " +
-         std::string(dtype_name(impl_->dtype)) + " on " + device_name(impl_->device) + "; experts: " + backends;
+         std::string(dtype_name(impl_->dtype)) + " on " + device_name(impl_->device) + "; experts: " + backends +
+         quantization;
 }
 
 }  // namespace moekit

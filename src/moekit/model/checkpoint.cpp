@@ -191,6 +191,27 @@ std::optional<NameLayout> classify(std::string_view rest) {
   return std::nullopt;
 }
 
+// Block scales read from a file (float or F8_E8M0) as f32 or ue8m0; a float that is not a power of two
+// does not become ue8m0 silently.
+Tensor convert_scales(const Tensor& scales, DType to, const std::string& name) {
+  MOEKIT_CHECK(is_load_dtype(scales.dtype()) || scales.dtype() == DType::ue8m0, name, " holds ",
+               dtype_name(scales.dtype()), ", expected float32 or F8_E8M0 scales");
+  const Tensor values = scales.dtype() == DType::ue8m0 ? Tensor() : scales.to(DType::f32);
+  Tensor out = Tensor::empty(scales.shape(), to);
+  for (int64_t i = 0; i < scales.numel(); ++i) {
+    const float v = values.defined() ? values.data_as<float>()[i] : to_float(scales.data_as<ue8m0>()[i]);
+    if (to == DType::f32) {
+      out.data_as<float>()[i] = v;
+      continue;
+    }
+    const ue8m0 code = from_float<ue8m0>(v);
+    MOEKIT_CHECK(to_float(code) == v, name, " element ", i, " is ", v,
+                 ", not a power of two, but the scales are ue8m0 (scale_fmt \"ue8m0\" or FP4 experts)");
+    out.data_as<ue8m0>()[i] = code;
+  }
+  return out;
+}
+
 }  // namespace
 
 Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
@@ -299,6 +320,15 @@ Tensor Checkpoint::load(const std::string& name, DType dtype, const Shape& expec
   MOEKIT_CHECK(is_load_dtype(dtype), "loading ", name, ": tensors load as f32, f16 or bf16, not ", dtype_name(dtype));
   Tensor t = expected.empty() ? tensor(name) : tensor(name, expected);
   if (t.dtype() == dtype) return t;
+  if (t.dtype() == DType::f8_e4m3 && t.dim() == 2) {
+    const std::string scale_name = name + "_scale_inv";
+    MOEKIT_CHECK(contains(scale_name), dir_, ": ", name, " holds f8_e4m3 but its block scales ", scale_name,
+                 " are missing");
+    const int64_t N = t.size(0), K = t.size(1);
+    const Shape scale_shape = weight_scale_shape(WeightFormat::fp8_e4m3, 1, N, K);
+    Tensor scale = load(scale_name, DType::f32, {scale_shape[1], scale_shape[2]});
+    return dequantize_weights(t.reshape({1, N, K}), scale.reshape(scale_shape), dtype).reshape({N, K});
+  }
   MOEKIT_CHECK(is_load_dtype(t.dtype()), name, " holds ", dtype_name(t.dtype()), ", which does not convert to ",
                dtype_name(dtype), " (only f32, f16 and bf16 convert)");
   return t.to(dtype);
@@ -423,6 +453,102 @@ FusedExperts Checkpoint::experts(const std::string& prefix, int64_t num_experts,
   if (progress)
     std::fprintf(stderr, "%sfusing experts of %s: %lld/%lld\n", live_progress ? "\r" : "", prefix.c_str(),
                  static_cast<long long>(done), static_cast<long long>(E));
+  return out;
+}
+
+FusedExperts Checkpoint::quantized_experts(const std::string& prefix, int64_t num_experts, int64_t hidden,
+                                           int64_t intermediate, WeightFormat format, bool ue8m0_scales,
+                                           std::optional<DType> dequantize_to) const {
+  MOEKIT_CHECK(num_experts > 0 && hidden > 0 && intermediate > 0, "experts of ", prefix,
+               ": sizes must be positive, got num_experts ", num_experts, ", hidden ", hidden, ", intermediate ",
+               intermediate);
+  MOEKIT_CHECK(format != WeightFormat::none, "quantized_experts of ", prefix, ": no weight format given");
+  MOEKIT_CHECK(!dequantize_to || is_load_dtype(*dequantize_to), "experts of ", prefix,
+               ": experts dequantise to f32, f16 or bf16, not ", dtype_name(*dequantize_to));
+  const int64_t E = num_experts, H = hidden, I = intermediate;
+  const bool fp8 = format == WeightFormat::fp8_e4m3;
+  const DType weight_dtype = fp8 ? DType::f8_e4m3 : DType::f4_e2m1;
+  MOEKIT_CHECK(fp8 || (H % 2 == 0 && I % 2 == 0), "experts of ", prefix, ": FP4 weights pack pairs along K, so ",
+               "hidden (", H, ") and intermediate (", I, ") must be even");
+  MOEKIT_CHECK(dequantize_to || !fp8 || I % kFp8BlockSize == 0, dir_, ": the FP8 experts of ", prefix,
+               " have intermediate size ", I,
+               ", not a multiple of 128: gate and up rows do not share 128-row scale "
+               "blocks when fused, so they cannot run quantised (load them dequantised)");
+  const std::string under = prefix + ".";
+  const PerExpertLayout* layout = nullptr;
+  for (const PerExpertLayout& candidate : kPerExpertLayouts)
+    if (contains(under + "0." + std::string(candidate.names[0]))) layout = &candidate;
+  MOEKIT_CHECK(layout != nullptr, dir_, ": no quantised per-expert weights under ", prefix, ": expected ", prefix,
+               ".{i}.gate_proj/up_proj/down_proj.weight (or w1/w3/w2) with their .weight_scale_inv",
+               contains(under + "gate_up_proj") ? " (fused quantised experts are not supported)" : "");
+  const DType scale_dtype = ue8m0_scales ? DType::ue8m0 : DType::f32;
+
+  // Every lookup and check first; then the copies, which cannot fail.
+  const std::array<std::pair<int64_t, int64_t>, 3> sizes = {{{I, H}, {I, H}, {H, I}}};
+  std::vector<std::array<std::pair<Tensor, Tensor>, 3>> sources(static_cast<std::size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    for (std::size_t j = 0; j < 3; ++j) {
+      const auto [N, K] = sizes[j];
+      const std::string name = under + std::to_string(e) + "." + std::string(layout->names[j]);
+      const std::string scale_name = name + "_scale_inv";
+      const Shape weight_shape = quantized_weight_shape(format, 1, N, K);
+      const Shape scale_shape = weight_scale_shape(format, 1, N, K);
+      MOEKIT_CHECK(contains(name), dir_, ": ", name, " is missing: expected ", weight_format_name(format), " [", N,
+                   ", ", K, "] for expert ", e, " of ", E);
+      MOEKIT_CHECK(contains(scale_name), dir_, ": ", scale_name, " is missing: the block scales of ", name,
+                   " (expected ", shape_string({scale_shape[1], scale_shape[2]}), ")");
+      Tensor w = tensor(name, {weight_shape[1], weight_shape[2]});
+      MOEKIT_CHECK(w.dtype() == weight_dtype, name, " holds ", dtype_name(w.dtype()), ", expected ",
+                   dtype_name(weight_dtype), " (quantization_config says the experts are ", weight_format_name(format),
+                   ")");
+      Tensor s = tensor(scale_name, {scale_shape[1], scale_shape[2]});
+      if (s.dtype() != scale_dtype) s = convert_scales(s, scale_dtype, scale_name);
+      sources[static_cast<std::size_t>(e)][j] = {std::move(w), std::move(s)};
+    }
+  }
+
+  FusedExperts out;
+  if (dequantize_to) {
+    const DType dtype = *dequantize_to;
+    out.gate_up_proj = Tensor::empty({E, 2 * I, H}, dtype);
+    out.down_proj = Tensor::empty({E, H, I}, dtype);
+    const std::size_t matrix_bytes = static_cast<std::size_t>(I * H) * dtype_size(dtype);
+    auto* gate_up = static_cast<char*>(out.gate_up_proj.data());
+    auto* down = static_cast<char*>(out.down_proj.data());
+    for (int64_t e = 0; e < E; ++e) {
+      const std::size_t at = static_cast<std::size_t>(e);
+      std::array<Tensor, 3> dense;
+      for (std::size_t j = 0; j < 3; ++j) {
+        const auto& [w, s] = sources[at][j];
+        dense[j] =
+            dequantize_weights(w.reshape({1, w.size(0), w.size(1)}), s.reshape({1, s.size(0), s.size(1)}), dtype);
+      }
+      std::memcpy(gate_up + (2 * at) * matrix_bytes, dense[0].data(), matrix_bytes);
+      std::memcpy(gate_up + (2 * at + 1) * matrix_bytes, dense[1].data(), matrix_bytes);
+      std::memcpy(down + at * matrix_bytes, dense[2].data(), matrix_bytes);
+    }
+    return out;
+  }
+  // Quantised rows and scale rows concatenate: gate then up (FP8 with I % 128 == 0, so the gate's scale
+  // rows end where the up rows begin; FP4 scales are per row).
+  auto fuse = [&](std::initializer_list<std::size_t> parts, bool scales) {
+    const Tensor& first = scales ? sources[0][*parts.begin()].second : sources[0][*parts.begin()].first;
+    const int64_t rows = first.size(0) * static_cast<int64_t>(parts.size()), cols = first.size(1);
+    Tensor fused = Tensor::empty({E, rows, cols}, first.dtype());
+    auto* dst = static_cast<char*>(fused.data());
+    for (int64_t e = 0; e < E; ++e)
+      for (std::size_t j : parts) {
+        const Tensor& t =
+            scales ? sources[static_cast<std::size_t>(e)][j].second : sources[static_cast<std::size_t>(e)][j].first;
+        std::memcpy(dst, t.data(), t.nbytes());
+        dst += t.nbytes();
+      }
+    return fused;
+  };
+  out.gate_up_proj = fuse({0, 1}, false);
+  out.gate_up_proj_scale_inv = fuse({0, 1}, true);
+  out.down_proj = fuse({2}, false);
+  out.down_proj_scale_inv = fuse({2}, true);
   return out;
 }
 

@@ -379,6 +379,49 @@ std::string sub_config_hint(const json& config) {
   return names.empty() ? "" : "; it holds sub-configs " + names + ": parse the language model's";
 }
 
+// quantization_config (see CheckpointQuantization): only what the loader can honour is accepted.
+void parse_quantization(const json& config, const std::string& model_type, ModelConfig& c) {
+  const auto it = config.find("quantization_config");
+  if (it == config.end() || it->is_null()) return;
+  const std::string where = model_type + " config: quantization_config";
+  MOEKIT_CHECK(it->is_object(), where, " must be an object, got ", show(*it));
+  const json& q = *it;
+  auto text = [&](const char* key, const char* fallback) {
+    const auto v = q.find(key);
+    if (v == q.end() || v->is_null()) return std::string(fallback);
+    MOEKIT_CHECK(v->is_string(), where, ".", key, " must be a string, got ", show(*v));
+    return v->get<std::string>();
+  };
+  const std::string method = text("quant_method", "");
+  MOEKIT_CHECK(method == "fp8", where, ".quant_method is '", method,
+               "'; only \"fp8\" (transformers' FineGrainedFP8 block-quantised checkpoints) is supported");
+  const std::string scheme = text("activation_scheme", "dynamic");
+  MOEKIT_CHECK(scheme != "static", where,
+               ".activation_scheme is \"static\" (one activation scale per tensor from "
+               "the checkpoint), which no experts backend runs; only \"dynamic\" is supported");
+  MOEKIT_CHECK(scheme == "dynamic", where, ".activation_scheme '", scheme, "' is unknown; expected \"dynamic\"");
+  const auto block = q.find("weight_block_size");
+  if (block != q.end() && !block->is_null()) {
+    const bool ok = block->is_array() && block->size() == 2 && (*block)[0].is_number_integer() &&
+                    (*block)[1].is_number_integer() && (*block)[0].get<int64_t>() == kFp8BlockSize &&
+                    (*block)[1].get<int64_t>() == kFp8BlockSize;
+    MOEKIT_CHECK(ok, where, ".weight_block_size is ", block->dump(), "; only [128, 128] is supported");
+  }
+  const std::string scale_fmt = text("scale_fmt", "float32");
+  MOEKIT_CHECK(scale_fmt == "float32" || scale_fmt == "ue8m0", where, ".scale_fmt '", scale_fmt,
+               "' is unknown; expected \"ue8m0\" or \"float32\"");
+  const std::string expert_dtype = text("expert_dtype", "fp8");
+  MOEKIT_CHECK(expert_dtype == "fp8" || expert_dtype == "fp4", where, ".expert_dtype '", expert_dtype,
+               "' is unknown; expected \"fp8\" or \"fp4\"");
+  c.quantization.present = true;
+  c.quantization.experts = expert_dtype == "fp4" ? WeightFormat::fp4_e2m1 : WeightFormat::fp8_e4m3;
+  c.quantization.ue8m0_scales = scale_fmt == "ue8m0" || expert_dtype == "fp4";
+  MOEKIT_CHECK(!c.experts.is_transposed, where, ": quantised experts of ", model_type,
+               " (transposed fused experts) are not supported");
+  c.experts.quantization.weights = c.quantization.experts;
+  c.experts.quantization.activations = ActivationScheme::dynamic;
+}
+
 }  // namespace
 
 std::vector<std::string> supported_model_types() {
@@ -398,6 +441,7 @@ ModelConfig parse_model_config(const nlohmann::json& config) {
     if (a.model_type != model_type) continue;
     ModelConfig out;
     a.parse(Fields(config, model_type), out);
+    parse_quantization(config, model_type, out);
     return out;
   }
   MOEKIT_FAIL("model config: unknown model_type '", model_type, "'; supported: ", supported_list(),

@@ -32,6 +32,18 @@ struct RopeScaling {
   bool truncate = true;                           // yarn: round the correction range outwards
 };
 
+// A pre-quantised checkpoint's config.json "quantization_config", as transformers' FineGrainedFP8 method
+// ("quant_method": "fp8") writes it: weight_block_size [128, 128], activation_scheme "dynamic" (a "static"
+// scheme is refused at parse time: no backend runs it), optional scale_fmt "ue8m0" (the float32 scales in
+// the file are powers of two and load as ue8m0), and moekit's FP4 variant "expert_dtype": "fp4" (the
+// experts hold F4 e2m1 values with ue8m0 scales per 32 values along K; weight_block_size still describes
+// any FP8 dense linears). experts.quantization is set from it; the loader may clear that (dequantize).
+struct CheckpointQuantization {
+  bool present = false;                       // config.json has a quantization_config
+  WeightFormat experts = WeightFormat::none;  // fp8_e4m3, or fp4_e2m1 with expert_dtype "fp4"
+  bool ue8m0_scales = false;                  // scale_fmt "ue8m0" (always true for FP4 experts)
+};
+
 struct ModelConfig {
   std::string model_type;  // one of supported_model_types()
   int64_t vocab_size = 0;
@@ -82,6 +94,8 @@ struct ModelConfig {
   // "sliding_attention" | "full_attention" per layer for gpt_oss (default: even layers slide), else empty.
   int64_t sliding_window = 0;
   std::vector<std::string> layer_types;
+
+  CheckpointQuantization quantization;  // quantization_config; absent: not quantised
 
   std::string dtype;  // "dtype" (transformers 5) or "torch_dtype" as written ("bfloat16"), "" if absent
 };

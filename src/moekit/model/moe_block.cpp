@@ -167,6 +167,8 @@ Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const R
   p.down_proj = w.experts.down_proj;
   p.gate_up_proj_bias = w.experts.gate_up_proj_bias;
   p.down_proj_bias = w.experts.down_proj_bias;
+  p.gate_up_proj_scale_inv = w.experts.gate_up_proj_scale_inv;
+  p.down_proj_scale_inv = w.experts.down_proj_scale_inv;
   p.config = experts_config;
   Tensor out = experts_forward(p, backend);
   if (!shared) return out;
