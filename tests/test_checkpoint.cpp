@@ -188,15 +188,17 @@ TEST(Checkpoint, ListsAndReturnsSubConfigs) {
   const json config = {
       {"model_type", "qwen3_vl_moe"},       {"text_config", {{"model_type", "qwen3_vl_moe_text"}, {"hidden_size", 64}}},
       {"vision_config", {{"depth", 2}}},    {"audio_encoder", {{"model_type", "whisper"}}},
-      {"rope_scaling", {{"type", "yarn"}}}, {"architectures", {"Qwen3VLMoeForConditionalGeneration"}}};
+      {"rope_scaling", {{"type", "yarn"}}}, {"architectures", {"Qwen3VLMoeForConditionalGeneration"}},
+      {"quantization_config", {{"quant_method", "fp8"}}}};
   const Checkpoint ckpt(make_checkpoint({{"x", pattern({1}, 0)}}, config).string());
   EXPECT_EQ(ckpt.sub_config_names(), (std::vector<std::string>{"audio_encoder", "text_config", "vision_config"}));
   EXPECT_EQ(ckpt.sub_config("text_config").at("hidden_size"), 64);
   EXPECT_EQ(ckpt.sub_config("vision_config").at("depth"), 2);
   expect_error([&] { ckpt.sub_config("speech_config"); },
                {"no sub-config 'speech_config'", "audio_encoder, text_config, vision_config"});
-  // An object that is not a sub-config.
+  // Objects that are not sub-configs (quantization_config ends in "_config" but is no backbone).
   expect_error([&] { ckpt.sub_config("rope_scaling"); }, {"no sub-config 'rope_scaling'"});
+  expect_error([&] { ckpt.sub_config("quantization_config"); }, {"no sub-config 'quantization_config'"});
 
   const Checkpoint plain(make_checkpoint({{"x", pattern({1}, 0)}}).string());
   EXPECT_TRUE(plain.sub_config_names().empty());

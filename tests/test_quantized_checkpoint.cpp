@@ -205,6 +205,8 @@ TEST_P(QuantizedCheckpoint, LogitsMatchTheRoundedWeightsModelOnEveryCpuBackend) 
     const LoadOptions options{.dtype = DType::f32, .experts_implementation = backend, .progress = false};
     const Tensor expected = CausalLM::from_pretrained(rounded, options).forward(prompt);
     CausalLM quantized = CausalLM::from_pretrained(dst_, options);
+    // config.json's quantization_config is no backbone: one entry, the top level.
+    EXPECT_EQ(quantized.get_experts_implementation(), (std::map<std::string, std::string>{{"", backend}}));
     EXPECT_NE(quantized.describe().find(runs_quantized ? "quantised experts: " : "dequantised at load"),
               std::string::npos)
         << quantized.describe();

@@ -66,7 +66,12 @@ json read_json(const fs::path& path, const json::parser_callback_t& callback = n
   return value;
 }
 
+// Configuration objects of a model that are not a backbone, though their key ends in "_config".
+constexpr std::string_view kNotBackbones[] = {"quantization_config"};
+
 bool is_sub_config(const std::string& key, const json& value) {
+  for (std::string_view other : kNotBackbones)
+    if (key == other) return false;
   return value.is_object() && (value.contains("model_type") || key.ends_with("_config"));
 }
 
