@@ -117,8 +117,9 @@ class WeightReader {
       if (name.starts_with("model.layers.")) {
         const auto end = name.find('.', 13);
         const std::string index = name.substr(13, end - 13);
+        // (More than 9 digits is past any layer count, and past what stoll takes.)
         if (!index.empty() && index.find_first_not_of("0123456789") == std::string::npos &&
-            std::stoll(index) >= num_layers)
+            (index.size() > 9 || std::stoll(index) >= num_layers))
           continue;
       }
       unused.push_back(name);
