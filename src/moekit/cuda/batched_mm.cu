@@ -126,11 +126,45 @@ __global__ void __launch_bounds__(256) up_cols_kernel(const ExpertsArgs a, float
   }
 }
 
+constexpr int kDownRows = 2, kPairsAtOnce = 4;  // the down kernels: hidden columns per warp, pairs at once
+
+// The down kernels' epilogue: the pairs k0 .. k0 + kPairsAtOnce - 1 of token t (expert -1: skipped)
+// reduced over the warp, biased, weighted by their routing weights and added to the output in order k.
+template <typename T>
+__device__ __forceinline__ void add_pairs_in_order(const ExpertsArgs& a, int64_t t, int64_t k0, int64_t h0,
+                                                   const int64_t (&expert)[kPairsAtOnce],
+                                                   float (&acc)[kPairsAtOnce][kDownRows], float (&out_acc)[kDownRows]) {
+  const int64_t H = a.hidden;
+#pragma unroll
+  for (int q = 0; q < kPairsAtOnce; ++q) {  // in order k0, k0 + 1, ...
+    if (expert[q] < 0) continue;
+    const float route = load_routing_weight<T>(a, t * a.top_k + k0 + q);
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) {
+      float v = warp_sum(acc[q][r]);
+      if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[expert[q] * H + min(h0 + r, H - 1)]);
+      out_acc[r] = fmaf(route, v, out_acc[r]);
+    }
+  }
+}
+
+// Lane r < kDownRows writes hidden column h0 + r of token t (NaN for a token with an invalid id).
+template <typename T>
+__device__ __forceinline__ void store_down_output(const ExpertsArgs& a, int64_t t, int64_t h0, int lane,
+                                                  const float (&out_acc)[kDownRows], bool invalid) {
+  if (lane >= kDownRows) return;
+  float v = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r)
+    if (r == lane) v = out_acc[r];
+  const int64_t h = h0 + lane;
+  if (h < a.hidden) static_cast<T*>(a.out)[t * a.hidden + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : v);
+}
+
 // out[t, h] = sum_k w[t, k] * (down_e[h] . hidden[t * K + k] + b2[e, h]), k in order.
 // Each warp takes kDownRows hidden columns and runs the K pairs kPairsAtOnce at a time with separate
 // accumulators (more loads in flight for one token), then adds them to the output in order k = 0..K-1.
 // grid (T, ceil(H / (4 * kDownRows))), block 128.
-constexpr int kDownRows = 2, kPairsAtOnce = 4;
 
 template <typename T, bool kVectorised>
 __global__ void __launch_bounds__(kWarps * 32) down_rows_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
@@ -195,26 +229,9 @@ __global__ void __launch_bounds__(kWarps * 32) down_rows_kernel(const ExpertsArg
           for (int r = 0; r < kDownRows; ++r) acc[q][r] = fmaf(to_f(rows[q][r][i]), hi, acc[q][r]);
         }
     }
-#pragma unroll
-    for (int q = 0; q < kPairsAtOnce; ++q) {  // in order k0, k0 + 1, ...
-      if (expert[q] < 0) continue;
-      const float route = load_routing_weight<T>(a, t * a.top_k + k0 + q);
-#pragma unroll
-      for (int r = 0; r < kDownRows; ++r) {
-        float v = warp_sum(acc[q][r]);
-        if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[expert[q] * H + min(h0 + r, H - 1)]);
-        out_acc[r] = fmaf(route, v, out_acc[r]);
-      }
-    }
+    add_pairs_in_order<T>(a, t, k0, h0, expert, acc, out_acc);
   }
-  if (lane < kDownRows) {
-    float v = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r)
-      if (r == lane) v = out_acc[r];
-    const int64_t h = h0 + lane;
-    if (h < H) static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : v);
-  }
+  store_down_output<T>(a, t, h0, lane, out_acc, invalid);
 }
 
 // Transposed down [E, I, H]. grid (T, ceil(H / 64)), block (64, 4).
@@ -477,26 +494,9 @@ __global__ void __launch_bounds__(kWarps * 32) down_rows_fp8_kernel(const Expert
                              hid[q][i], acc[q][r]);
         }
     }
-#pragma unroll
-    for (int q = 0; q < kPairsAtOnce; ++q) {  // in order k0, k0 + 1, ...
-      if (expert[q] < 0) continue;
-      const float route = load_routing_weight<T>(a, t * a.top_k + k0 + q);
-#pragma unroll
-      for (int r = 0; r < kDownRows; ++r) {
-        float v = warp_sum(acc[q][r]);
-        if (a.down_bias) v += to_f(static_cast<const T*>(a.down_bias)[expert[q] * H + min(h0 + r, H - 1)]);
-        out_acc[r] = fmaf(route, v, out_acc[r]);
-      }
-    }
+    add_pairs_in_order<T>(a, t, k0, h0, expert, acc, out_acc);
   }
-  if (lane < kDownRows) {
-    float v = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r)
-      if (r == lane) v = out_acc[r];
-    const int64_t h = h0 + lane;
-    if (h < H) static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : v);
-  }
+  store_down_output<T>(a, t, h0, lane, out_acc, invalid);
 }
 
 bool aligned16(const void* p) {

@@ -348,6 +348,20 @@ struct CausalLM::Impl {
     cached_positions = 0;
   }
 
+  // T new queries at the cache's next positions, with the model's attention scale.
+  ops::AttentionShape attention_shape(int64_t T, int64_t query_heads, int64_t key_heads, int64_t key_dim,
+                                      int64_t value_dim) const {
+    ops::AttentionShape s;
+    s.tokens = T;
+    s.past = cached_positions;
+    s.query_heads = query_heads;
+    s.key_heads = key_heads;
+    s.key_dim = key_dim;
+    s.value_dim = value_dim;
+    s.scale = scale;
+    return s;
+  }
+
   // Grouped-query attention of x [T, H]; appends the new keys and values to the layer's cache.
   Tensor gqa(const AttentionWeights& a, const Tensor& x, LayerCache& lc) const {
     const ModelConfig& c = config;
@@ -366,14 +380,7 @@ struct CausalLM::Impl {
     ops::apply_rotary(q, Hq, hd, 0, rotary, cached_positions);
     ops::apply_rotary(k, Hk, hd, 0, rotary, cached_positions);
     lc.append(k, v);
-    ops::AttentionShape s;
-    s.tokens = T;
-    s.past = cached_positions;
-    s.query_heads = Hq;
-    s.key_heads = Hk;
-    s.key_dim = hd;
-    s.value_dim = hd;
-    s.scale = scale;
+    ops::AttentionShape s = attention_shape(T, Hq, Hk, hd, hd);
     s.sliding_window = a.sliding_window;
     if (device.is_cuda()) {
       s.sinks = a.sinks_device.defined() ? a.sinks_device.data_as<float>() : nullptr;
@@ -402,14 +409,7 @@ struct CausalLM::Impl {
     lc.append(latent, k_rot);
 
     const int64_t S = cached_positions + T;
-    ops::AttentionShape s;
-    s.tokens = T;
-    s.past = cached_positions;
-    s.query_heads = Hq;
-    s.key_heads = Hq;
-    s.key_dim = qk;
-    s.value_dim = vd;
-    s.scale = scale;
+    ops::AttentionShape s = attention_shape(T, Hq, Hq, qk, vd);
     if (device.is_cuda()) {
       // Keys [S, Hq, nope + rope]: each head's k_nope from kv_b_proj, then the shared rotated key;
       // values read in place from kv_b_proj's output (columns nope .. nope + vd of each head).
