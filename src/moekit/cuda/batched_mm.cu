@@ -19,6 +19,30 @@ constexpr int kWarps = 4;
 constexpr int kColsPerWarp = 4;  // intermediate (kernel 1) or hidden (kernel 2) columns per warp
 constexpr int kColsPerBlock = kWarps * kColsPerWarp;
 
+// The up kernels' epilogue: acc holds the gate and up partial sums (gate, up, gate, up, ...) of kCols
+// intermediate columns from j0; reduced over the warp, lane c < kCols adds the biases, applies the
+// activation and writes column j0 + c of the pair's hidden row.
+template <typename T, int kCols>
+__device__ __forceinline__ void store_up_columns(const ExpertsArgs& a, int64_t e, int64_t pair, int64_t j0, int lane,
+                                                 float (&acc)[2 * kCols], float* __restrict__ hidden) {
+  const int64_t I = a.intermediate, N = a.has_gate ? 2 * I : I;
+#pragma unroll
+  for (int r = 0; r < 2 * kCols; ++r) acc[r] = warp_sum(acc[r]);
+  if (lane >= kCols) return;
+  float g = 0.0f, u = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kCols; ++r)
+    if (r == lane) g = acc[2 * r], u = acc[2 * r + 1];
+  const int64_t j = j0 + lane;
+  if (j >= I) return;
+  if (a.up_bias) {
+    const T* b = static_cast<const T*>(a.up_bias) + e * N;
+    g += to_f(b[a.has_gate ? gate_col(a, j) : j]);
+    if (a.has_gate) u += to_f(b[up_col(a, j)]);
+  }
+  hidden[pair * I + j] = activate(a, g, u);
+}
+
 // x [T, H] @ up_e [N, H]^T for each pair -> hidden [P, I] (float), activation applied.
 // grid (P, ceil(I / 16)), block 128, dynamic shared memory H floats.
 template <typename T, bool kVectorised>
@@ -66,23 +90,7 @@ __global__ void __launch_bounds__(kWarps * 32) up_rows_kernel(const ExpertsArgs 
       for (int r = 0; r < kRows; ++r) acc[r] = fmaf(to_f(rows[r][h]), xi, acc[r]);
     }
   }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = warp_sum(acc[r]);
-  if (lane < kColsPerWarp) {
-    float g = 0.0f, u = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kColsPerWarp; ++r)
-      if (r == lane) g = acc[2 * r], u = acc[2 * r + 1];
-    const int64_t j = j0 + lane;
-    if (j < I) {
-      if (a.up_bias) {
-        const T* b = static_cast<const T*>(a.up_bias) + e * N;
-        g += to_f(b[a.has_gate ? gate_col(a, j) : j]);
-        if (a.has_gate) u += to_f(b[up_col(a, j)]);
-      }
-      hidden[pair * I + j] = activate(a, g, u);
-    }
-  }
+  store_up_columns<T, kColsPerWarp>(a, e, pair, j0, lane, acc, hidden);
 }
 
 // Transposed up [E, H, N]: consecutive threads take consecutive columns (coalesced), four slices of
@@ -405,23 +413,7 @@ __global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsA
         acc[r] = fmaf(e4m3_to_f(rows[r][h]) * block_scale_at(a, a.up_scale, scale_row[r] + h / 128), xi, acc[r]);
     }
   }
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = warp_sum(acc[r]);
-  if (lane < kFp8ColsPerWarp) {
-    float g = 0.0f, u = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kFp8ColsPerWarp; ++r)
-      if (r == lane) g = acc[2 * r], u = acc[2 * r + 1];
-    const int64_t j = j0 + lane;
-    if (j < I) {
-      if (a.up_bias) {
-        const T* b = static_cast<const T*>(a.up_bias) + e * N;
-        g += to_f(b[a.has_gate ? gate_col(a, j) : j]);
-        if (a.has_gate) u += to_f(b[up_col(a, j)]);
-      }
-      hidden[pair * I + j] = activate(a, g, u);
-    }
-  }
+  store_up_columns<T, kFp8ColsPerWarp>(a, e, pair, j0, lane, acc, hidden);
 }
 
 // down: out[t, h] = sum_k w[t, k] * (down_e[h] . hq[t * K + k] + b2[e, h]), k in order; hq quantised.
