@@ -2,7 +2,9 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|compare|model|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|compare|model|sass|all]   (default all); results under $OUT if set.
+# sass: registers, stack and spills of the Hopper kernels, and their count of HGMMA (wgmma) and of
+# local-memory instructions (LDL/STL), from the disassembly (cuobjdump exists on the GPU machine only).
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -28,5 +30,15 @@ if [[ $what == model || $what == all ]]; then
   ./gpu-bundle/moekit generate --device cuda --max-new-tokens 16 --ignore-eos 2>&1 | tee "$out/generate_cuda.log"
   PYTHONUNBUFFERED=1 python3 scripts/bench_model.py --moekit ./gpu-bundle/moekit --device cuda ${MODEL_ARGS:-} \
     --json "$out/bench_model_cuda.json" 2>&1 | grep -v "Loading weights" | tee "$out/bench_model_cuda.log"
+fi
+if [[ $what == sass || $what == all ]]; then
+  cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 "hopper" | grep -E "Function|REG" |
+    sed -E 's/^.*Function ([^ ]*):.*/\1/' | tee "$out/hopper_resources.log"
+  cuobjdump -sass -arch sm_90a gpu-bundle/moekit 2>/dev/null | awk '
+    /Function :/ { f = ($3 ~ /hopper/) ? $3 : "" }
+    f != "" && /HGMMA/ { h[f]++ } f != "" && /QGMMA/ { q[f]++ } f != "" && /(LDL|STL)/ { l[f]++ }
+    f != "" { seen[f] = 1 }
+    END { for (k in seen) printf "%s HGMMA=%d QGMMA=%d LDL/STL=%d\n", k, h[k], q[k], l[k] }' |
+    tee "$out/hopper_sass.log"
 fi
 exit $status

@@ -31,3 +31,6 @@ if ((${#missing[@]})); then
 else
   echo "setup: all packages present"
 fi
+
+# Header-only dependencies fetched by scripts/setup.sh (CUTLASS/CuTe for the Hopper kernels).
+"$(dirname "$0")/fetch_cutlass.sh"

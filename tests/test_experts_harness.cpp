@@ -203,6 +203,20 @@ std::vector<HarnessCase> harness_cases() {
         add("large", sized(300, 264, 136, 16, 4, dtype, nc.config));
       }
 
+  // Shapes for the tiled GPU kernels (deepgemm: 128-row tiles, 256-wide column blocks, 64-deep k steps):
+  // several tiles in every dimension and a partial one in each (H = 520, I = 392), uneven experts, in the
+  // untransposed layouts: concatenated and interleaved gate/up (with biases and the clamp), and ungated.
+  const NamedConfig tiled_configs[] = {
+      {"swiglu", make_config(kActivations[0], true, false, false, true)},
+      {"gptoss_untransposed", make_config(kActivations[5], true, true, false, false)},
+      {"relu2_nogate", make_config(kActivations[4], false, false, false, true)},
+  };
+  for (DType dtype : {DType::bf16, DType::f16})
+    for (const auto& nc : tiled_configs)
+      cases.push_back({std::string("tiled_").append(dtype_name(dtype)).append("_").append(nc.name),
+                       sized(300, 520, 392, 8, 4, dtype, nc.config),
+                       {}});
+
   // Fresh random inputs per case.
   for (std::size_t i = 0; i < cases.size(); ++i) cases[i].options.seed = 1000 + i;
   return cases;

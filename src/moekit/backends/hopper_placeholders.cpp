@@ -1,4 +1,4 @@
-// deepgemm, deepgemm_megamoe and sonicmoe: registered by name so that users see them, and refused
+// deepgemm_megamoe and sonicmoe: registered by name so that users see them, and refused
 // with the reason until their Hopper kernels land. They never compute anything.
 #include <string>
 
@@ -38,14 +38,6 @@ class NotYetAvailableBackend final : public ExpertsBackend {
 };
 
 }  // namespace
-
-std::shared_ptr<ExpertsBackend> make_deepgemm() {
-  return std::make_shared<NotYetAvailableBackend>(
-      "deepgemm", "TMA-aligned grouped GEMM for Hopper (sm_90a), bf16 and FP8 block-scaled experts",
-      "not supported on this device: needs a Hopper (sm_90a) GPU kernel that this version of moekit does not "
-      "have yet",
-      true);
-}
 
 std::shared_ptr<ExpertsBackend> make_deepgemm_megamoe() {
   return std::make_shared<NotYetAvailableBackend>(

@@ -49,4 +49,8 @@ void grouped_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stre
 std::size_t eager_workspace_bytes(const ExpertsArgs& a);
 void eager_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
 
+// deepgemm: sm_90a only (bf16/f16, untransposed weights, H and I multiples of 8; the backend checks).
+std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a);
+void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
+
 }  // namespace moekit::cuda

@@ -46,15 +46,7 @@ __device__ __forceinline__ bool find_tile(const GroupedProblem& g, int64_t& expe
     if (tile >= tiles[e + 1]) return false;
   } else {
     if (tile >= tiles[g.a.experts]) return false;
-    int64_t lo = 0, hi = g.a.experts - 1;  // last e with tiles[e] <= tile
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (tiles[mid] <= tile)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    e = lo;
+    e = expert_of(tiles, g.a.experts, tile);
   }
   expert = e;
   row_begin = g.r.offsets[e] + (tile - tiles[e]) * tile_rows;

@@ -22,4 +22,20 @@ std::size_t routing_workspace_bytes(int64_t pairs, int64_t experts);
 // Fills r (carved out of workspace) for tiles of tile_rows rows. Asynchronous on stream.
 void route_on_device(const ExpertsArgs& a, int tile_rows, void* workspace, DeviceRouting& r, cudaStream_t stream);
 
+#ifdef __CUDACC__
+// The expert of an index into a prefix-sum array of E + 1 entries (rows: offsets; tiles:
+// tile_offsets): the last e with starts[e] <= index, which skips experts that have none.
+__device__ __forceinline__ int64_t expert_of(const int32_t* starts, int64_t experts, int64_t index) {
+  int64_t lo = 0, hi = experts - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (starts[mid] <= index)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+#endif
+
 }  // namespace moekit::cuda

@@ -1,0 +1,187 @@
+// deepgemm on CUDA (sm_90a, bf16/f16): the contiguous grouped layout of DeepGEMM, with our kernels.
+//   1. route on the device with 128-row tiles;
+//   2. gather each routed token row into its expert's block of the padded layout (every expert's
+//      rows start at a multiple of 128), recording each pair's padded row;
+//   3. first projection: TMA + wgmma grouped GEMM, activation fused into its epilogue;
+//   4. second projection: the same GEMM, bias in its epilogue, float rows;
+//   5. the deterministic weighted combine of grouped_mm (pairs added in k order).
+// Launches are sized from host-known bounds and the tile counts are read on the device, so a call
+// never waits for the host and can be captured in a CUDA graph.
+#include <algorithm>
+
+#include "moekit/cuda/cuda_check.h"
+#include "moekit/cuda/grouped_gemm.cuh"
+#include "moekit/cuda/hopper_grouped_gemm.cuh"
+#include "moekit/cuda/tensor_map.h"
+
+namespace moekit::cuda {
+namespace {
+
+using hopper::Epilogue;
+using hopper::kBlockK;
+using hopper::kBlockM;
+
+constexpr int kTileN = 256;  // weight rows per column block (gated: 128 gate + 128 up)
+constexpr int kStages = 4;   // 4 x 48 KB of the 227 KB a block may hold
+
+std::size_t align256(std::size_t b) {
+  return (b + 255) / 256 * 256;
+}
+
+// Row tiles of the padded layout in the worst case: every expert's last tile partly filled.
+int64_t max_row_tiles(const ExpertsArgs& a) {
+  const int64_t P = a.tokens * a.top_k;
+  return (P + kBlockM - 1) / kBlockM + std::min(a.experts, P);
+}
+
+struct Layout {
+  std::size_t pair_row, rows, hidden, y, total;
+};
+
+Layout layout(const ExpertsArgs& a) {
+  const auto P = static_cast<std::size_t>(a.tokens * a.top_k);
+  const auto M = static_cast<std::size_t>(max_row_tiles(a) * kBlockM);
+  const std::size_t e = dtype_size(a.dtype);
+  Layout l;
+  l.pair_row = align256(routing_workspace_bytes(static_cast<int64_t>(P), a.experts));
+  l.rows = l.pair_row + align256(P * 4);
+  l.hidden = l.rows + align256(M * static_cast<std::size_t>(a.hidden) * e);
+  l.y = l.hidden + align256(M * static_cast<std::size_t>(a.intermediate) * e);
+  l.total = l.y + align256(M * static_cast<std::size_t>(a.hidden) * sizeof(float));
+  return l;
+}
+
+// One block per sorted row: copies the token's hidden state into its padded row, 16 bytes a thread.
+__global__ void gather_rows_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, uint4* rows) {
+  const int64_t P = a.tokens * a.top_k;
+  const int32_t valid = r.offsets[a.experts];
+  const int64_t vectors = a.hidden / 8;  // 2-byte elements, H a multiple of 8
+  for (int64_t row = blockIdx.x; row < P; row += gridDim.x) {
+    const int32_t pair = r.row_pair[row];
+    if (row >= valid) {  // a sentinel or invalid id: no row, nothing to add
+      if (threadIdx.x == 0) pair_padded_row[pair] = -1;
+      continue;
+    }
+    const int64_t e = expert_of(r.offsets, a.experts, row);
+    const int64_t padded = int64_t{r.tile_offsets[e]} * kBlockM + (row - r.offsets[e]);
+    if (threadIdx.x == 0) pair_padded_row[pair] = static_cast<int32_t>(padded);
+    const auto* src = static_cast<const uint4*>(a.x) + (pair / a.top_k) * vectors;
+    uint4* dst = rows + padded * vectors;
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) dst[v] = __ldg(src + v);
+  }
+}
+
+template <typename T, Epilogue kEpi>
+void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const hopper::GemmParams& p, int64_t max_tiles,
+                 cudaStream_t stream) {
+  auto* kernel = hopper::grouped_gemm_kernel<T, kTileN, kEpi, kStages>;
+  constexpr std::size_t smem = hopper::gemm_smem_bytes<kTileN, kStages>();
+  static_assert(smem <= 227 * 1024, "the pipeline does not fit in shared memory");
+  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t work = max_tiles * p.n_blocks;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(work, multiprocessor_count()));
+  kernel<<<blocks, hopper::kThreads, smem, stream>>>(a_map, b_map, p);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+// The B map of a projection's weights, as 4-D {K, rows per part, parts, E} (or {K, parts, rows, E}
+// for interleaved gate/up rows, keeping the strides increasing) with a box of one part's rows.
+CUtensorMap weight_map(const void* w, DType dtype, int64_t K, int64_t rows, int parts, bool interleaved, int64_t E,
+                       int box_rows) {
+  const uint64_t row_bytes = static_cast<uint64_t>(K) * 2;
+  const uint64_t expert_bytes = row_bytes * static_cast<uint64_t>(rows * parts);
+  TensorMapShape s;
+  s.rank = 4;
+  if (interleaved) {
+    s.sizes = {static_cast<uint64_t>(K), 2, static_cast<uint64_t>(rows), static_cast<uint64_t>(E), 0};
+    s.strides = {row_bytes, 2 * row_bytes, expert_bytes, 0};
+    s.box = {kBlockK, 1, static_cast<uint32_t>(box_rows), 1, 0};
+  } else {
+    s.sizes = {static_cast<uint64_t>(K), static_cast<uint64_t>(rows), static_cast<uint64_t>(parts),
+               static_cast<uint64_t>(E), 0};
+    s.strides = {row_bytes, row_bytes * static_cast<uint64_t>(rows), expert_bytes, 0};
+    s.box = {kBlockK, static_cast<uint32_t>(box_rows), 1, 1, 0};
+  }
+  return make_tensor_map(w, dtype, s);
+}
+
+CUtensorMap rows_map(const void* rows, DType dtype, int64_t K, int64_t M) {
+  TensorMapShape s;
+  s.rank = 2;
+  s.sizes = {static_cast<uint64_t>(K), static_cast<uint64_t>(M), 0, 0, 0};
+  s.strides = {static_cast<uint64_t>(K) * 2, 0, 0, 0};
+  s.box = {kBlockK, kBlockM, 0, 0, 0};
+  return make_tensor_map(rows, dtype, s);
+}
+
+template <typename T>
+void forward_typed(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
+  const Layout l = layout(a);
+  char* base = static_cast<char*>(workspace);
+  DeviceRouting r;
+  route_on_device(a, kBlockM, base, r, stream);
+  const int64_t P = a.tokens * a.top_k, max_tiles = max_row_tiles(a), M = max_tiles * kBlockM;
+  auto* pair_padded_row = reinterpret_cast<int32_t*>(base + l.pair_row);
+  void* rows = base + l.rows;
+  void* hidden = base + l.hidden;
+  auto* y = reinterpret_cast<float*>(base + l.y);
+  if (P > 0) {
+    gather_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 128, 0, stream>>>(
+        a, r, pair_padded_row, static_cast<uint4*>(rows));
+    MOEKIT_CUDA_CHECK_LAUNCH();
+
+    hopper::GemmParams up;
+    up.a = a;
+    up.tile_offsets = r.tile_offsets;
+    up.k_blocks = static_cast<int>((a.hidden + kBlockK - 1) / kBlockK);
+    up.outputs = a.intermediate;
+    up.out = hidden;
+    up.interleaved = a.has_gate && !a.concatenated;
+    const CUtensorMap up_rows = rows_map(rows, a.dtype, a.hidden, M);
+    if (a.has_gate) {
+      up.n_blocks = static_cast<int>((a.intermediate + kTileN / 2 - 1) / (kTileN / 2));
+      const CUtensorMap w = weight_map(a.up, a.dtype, a.hidden, a.intermediate, 2, up.interleaved, a.experts, kTileN / 2);
+      launch_gemm<T, Epilogue::gated_activation>(up_rows, w, up, max_tiles, stream);
+    } else {
+      up.n_blocks = static_cast<int>((a.intermediate + kTileN - 1) / kTileN);
+      const CUtensorMap w = weight_map(a.up, a.dtype, a.hidden, a.intermediate, 1, false, a.experts, kTileN);
+      launch_gemm<T, Epilogue::activation>(up_rows, w, up, max_tiles, stream);
+    }
+
+    hopper::GemmParams down;
+    down.a = a;
+    down.tile_offsets = r.tile_offsets;
+    down.k_blocks = static_cast<int>((a.intermediate + kBlockK - 1) / kBlockK);
+    down.n_blocks = static_cast<int>((a.hidden + kTileN - 1) / kTileN);
+    down.outputs = a.hidden;
+    down.out = y;
+    const CUtensorMap down_rows = rows_map(hidden, a.dtype, a.intermediate, M);
+    const CUtensorMap w = weight_map(a.down, a.dtype, a.intermediate, a.hidden, 1, false, a.experts, kTileN);
+    launch_gemm<T, Epilogue::store_float>(down_rows, w, down, max_tiles, stream);
+  }
+  GroupedProblem g;
+  g.a = a;
+  g.r = r;
+  g.r.pair_row = pair_padded_row;
+  g.y = y;
+  launch_combine(g, stream);
+}
+
+}  // namespace
+
+std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a) {
+  return layout(a).total;
+}
+
+void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
+  MOEKIT_CHECK(a.dtype == DType::bf16 || a.dtype == DType::f16, "deepgemm: activations must be bf16 or f16, not ",
+               dtype_name(a.dtype));
+  MOEKIT_CHECK(!a.transposed && !a.fp8 && a.hidden % 8 == 0 && a.intermediate % 8 == 0,
+               "deepgemm: problem outside the supported set (checked by the backend's supports())");
+  if (a.dtype == DType::bf16)
+    forward_typed<bf16>(a, workspace, stream);
+  else
+    forward_typed<f16>(a, workspace, stream);
+}
+
+}  // namespace moekit::cuda

@@ -1,0 +1,267 @@
+// The grouped GEMM of the Hopper backends (sm_90a): C[m, n] = sum_k A[m, k] * B_e[n, k] over rows
+// grouped by expert in the contiguous layout (each expert's rows start at a multiple of 128, so no
+// 128-row tile straddles two experts).
+//
+// One persistent block per multiprocessor walks the (row tile, column block) pairs; the number of
+// row tiles and each tile's expert come from the device routing, so the host never waits. Inside a
+// block, warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA) of the A tile and the
+// expert's B tile into a ring of shared-memory stages, each completing on its "full" mbarrier. The two
+// math warpgroups take 64 rows each and run wgmma straight from the 128-byte-swizzled stages,
+// releasing a stage through its "empty" mbarrier; then they apply the epilogue from registers:
+//   gated_activation: the B tile holds BN/2 gate rows then BN/2 up rows of the same intermediate
+//                     columns, so act(gate) * up is formed in registers and stored in T;
+//   activation:       act(x) of an ungated first projection, stored in T;
+//   store_float:      the second projection plus its bias, stored in float for the combine.
+// CUTLASS/CuTe supply the instruction wrappers (TMA copies, mbarriers, wgmma, register
+// reconfiguration); the schedule, the fused epilogues and the layouts are ours.
+#pragma once
+
+#include <cuda.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <utility>
+
+#include "moekit/cuda/device_math.cuh"
+#include "moekit/cuda/routing.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOEKIT_SM90A_DEVICE 1
+#else
+#define MOEKIT_SM90A_DEVICE 0
+#endif
+
+namespace moekit::cuda::hopper {
+
+constexpr int kBlockM = 128;     // rows per tile: the contiguous layout's padding unit
+constexpr int kBlockK = 64;      // 64 two-byte elements: one 128-byte swizzle row
+constexpr int kMathGroups = 2;   // math warpgroups, 64 rows each
+constexpr int kThreads = 128 * (1 + kMathGroups);
+
+enum class Epilogue : uint8_t { gated_activation, activation, store_float };
+
+struct GemmParams {
+  ExpertsArgs a;                          // sizes, activation, biases
+  const int32_t* tile_offsets = nullptr;  // [E + 1]: 128-row tiles of each expert
+  int n_blocks = 0;                       // column blocks of the output
+  int k_blocks = 0;                       // ceil(K / 64)
+  bool interleaved = false;               // B map coordinates (k, part, n, e) instead of (k, n, part, e)
+  int64_t outputs = 0;                    // valid output columns (I for the first projection, H for the second)
+  void* out = nullptr;                    // [rows, outputs]: T for the first projection, float for the second
+};
+
+template <int BN, int kStages>
+constexpr std::size_t gemm_smem_bytes() {
+  // Stages, 1 KB for aligning them to the swizzle atom, and the full/empty barriers.
+  return static_cast<std::size_t>(kStages) * (kBlockM + BN) * kBlockK * 2 + 1024 + 2 * kStages * 8;
+}
+
+template <typename T, int N>
+struct WgmmaOp;
+template <>
+struct WgmmaOp<bf16, 256> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct WgmmaOp<f16, 256> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct WgmmaOp<bf16, 128> {
+  using type = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct WgmmaOp<f16, 128> {
+  using type = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+
+// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes,
+// groups of 8 rows 1024 bytes apart (the leading offset is unused by this layout).
+__device__ __forceinline__ uint64_t smem_descriptor(const void* p) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(p) >> 4);
+  d.bitfield.leading_byte_offset_ = 1;
+  d.bitfield.stride_byte_offset_ = 1024 >> 4;
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
+  return d.desc_;
+}
+
+template <typename Op, std::size_t... I>
+__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float* acc, bool accumulate, std::index_sequence<I...>) {
+  Op::fma(a, b, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return static_cast<uint32_t>(from_f<T>(lo).bits) | (static_cast<uint32_t>(from_f<T>(hi).bits) << 16);
+}
+
+// act(g) * u of two adjacent columns, packed. Not inlined: inlining the activation's switch into every
+// one of the epilogue's unrolled steps makes the kernel spill its accumulators.
+// The activation's settings travel by value: a reference into the kernel's parameters would make the
+// compiler copy them all to the stack.
+template <typename T>
+__device__ __noinline__ uint32_t activated_pair(Act act, bool has_gate, float limit, float alpha, float g0, float u0,
+                                                float g1, float u1) {
+  ExpertsArgs a;
+  a.act = act;
+  a.has_gate = has_gate;
+  a.swiglu_limit = limit;
+  a.swiglu_alpha = alpha;
+  return pack2<T>(activate(a, g0, u0), activate(a, g1, u1));
+}
+
+// Accumulator element i of a 64 x N wgmma tile held by lane `lane` of warp `warp` (of 4): row and column.
+__device__ __forceinline__ int acc_row(int warp, int lane, int i) {
+  return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
+}
+__device__ __forceinline__ int acc_col(int lane, int i) {
+  return (i / 4) * 8 + (lane % 4) * 2 + (i & 1);
+}
+
+template <typename T, int BN, Epilogue kEpi>
+__device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, int64_t expert, int64_t m_tile,
+                                               int n_block, int math) {
+  const ExpertsArgs& a = p.a;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int64_t row_base = m_tile * kBlockM + math * 64;
+  if constexpr (kEpi == Epilogue::gated_activation) {
+    constexpr int kHalf = BN / 4;  // accumulator index of the up column paired with a gate column
+    const int64_t N = 2 * a.intermediate;
+    const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * N : nullptr;
+#pragma unroll
+    for (int i = 0; i < kHalf; i += 2) {
+      const int64_t j = int64_t{n_block} * (BN / 2) + acc_col(lane, i);
+      if (j >= p.outputs) continue;  // outputs is a multiple of 8, so j + 1 is inside too
+      float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + kHalf], u1 = acc[i + 1 + kHalf];
+      if (bias) {
+        g0 += to_f(bias[gate_col(a, j)]), g1 += to_f(bias[gate_col(a, j + 1)]);
+        u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
+      }
+      const int64_t row = row_base + acc_row(warp, lane, i);
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) =
+          activated_pair<T>(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
+    }
+  } else {
+    const int64_t N = kEpi == Epilogue::activation ? a.intermediate : a.hidden;
+    const T* bias = nullptr;
+    if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias) + expert * N;
+    if (kEpi == Epilogue::store_float && a.down_bias) bias = static_cast<const T*>(a.down_bias) + expert * N;
+#pragma unroll
+    for (int i = 0; i < BN / 2; i += 2) {
+      const int64_t j = int64_t{n_block} * BN + acc_col(lane, i);
+      if (j >= p.outputs) continue;
+      float v0 = acc[i], v1 = acc[i + 1];
+      if (bias) v0 += to_f(bias[j]), v1 += to_f(bias[j + 1]);
+      const int64_t row = row_base + acc_row(warp, lane, i);
+      if constexpr (kEpi == Epilogue::activation) {
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) =
+            activated_pair<T>(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
+      } else {
+        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + row * p.outputs + j) = make_float2(v0, v1);
+      }
+    }
+  }
+}
+
+template <typename T, int BN, Epilogue kEpi, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                        const GemmParams p) {
+#if MOEKIT_SM90A_DEVICE
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kParts = kEpi == Epilogue::gated_activation ? 2 : 1;
+  constexpr int kPartRows = BN / kParts;
+  constexpr int kABytes = kBlockM * kBlockK * 2, kBBytes = BN * kBlockK * 2, kStageBytes = kABytes + kBBytes;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], kMathGroups);
+    }
+    cutlass::arch::fence_view_async_shared();
+  }
+  __syncthreads();
+
+  const int64_t experts = p.a.experts;
+  const int64_t tiles = int64_t{p.tile_offsets[experts]} * p.n_blocks;
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    cute::prefetch_tma_descriptor(&a_map);
+    cute::prefetch_tma_descriptor(&b_map);
+    constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int64_t m_tile = tile / p.n_blocks;
+      const int n0 = static_cast<int>(tile % p.n_blocks) * kPartRows;
+      const int e = static_cast<int>(expert_of(p.tile_offsets, experts, m_tile));
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        Barrier::wait(&empty[stage], phase ^ 1);
+        TxBarrier::arrive_and_expect_tx(&full[stage], kStageBytes);
+        uint8_t* sa = smem + stage * kStageBytes;
+        uint8_t* sb = sa + kABytes;
+        cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, kb * kBlockK, static_cast<int>(m_tile * kBlockM));
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          uint8_t* dst = sb + part * kPartRows * kBlockK * 2;
+          if (p.interleaved)
+            cute::SM90_TMA_LOAD_4D::copy(&b_map, &full[stage], kHint, dst, kb * kBlockK, part, n0, e);
+          else
+            cute::SM90_TMA_LOAD_4D::copy(&b_map, &full[stage], kHint, dst, kb * kBlockK, n0, part, e);
+        }
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    using Op = typename WgmmaOp<T, BN>::type;
+    const int math = warpgroup - 1;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int64_t m_tile = tile / p.n_blocks;
+      const int n_block = static_cast<int>(tile % p.n_blocks);
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        Barrier::wait(&full[stage], phase);
+        const uint8_t* sa = smem + stage * kStageBytes + math * 64 * kBlockK * 2;
+        const uint8_t* sb = smem + stage * kStageBytes + kABytes;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk)
+          wgmma<Op>(smem_descriptor(sa + kk * 32), smem_descriptor(sb + kk * 32), acc, kb > 0 || kk > 0,
+                    std::make_index_sequence<BN / 2>{});
+        cute::warpgroup_commit_batch();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+        cute::warpgroup_wait<0>();
+        if (threadIdx.x % 128 == 0) Barrier::arrive(&empty[stage]);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      const int64_t e = expert_of(p.tile_offsets, experts, m_tile);
+      store_epilogue<T, BN, kEpi>(p, acc, e, m_tile, n_block, math);
+    }
+  }
+#else
+  (void)a_map, (void)b_map, (void)p;
+  __trap();  // launched only on compute capability 9.0, where the sm_90a code exists
+#endif
+}
+
+}  // namespace moekit::cuda::hopper

@@ -1,0 +1,71 @@
+#include "moekit/cuda/tensor_map.h"
+
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <mutex>
+
+#include "moekit/cuda/cuda_check.h"
+
+namespace moekit::cuda {
+namespace {
+
+// The driver's encoder, reached through the runtime so that moekit does not link libcuda itself
+// (the runtime is linked statically and finds the driver at run time).
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOEKIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    MOEKIT_CHECK(found == cudaDriverEntryPointSuccess && p != nullptr,
+                 "the CUDA driver has no cuTensorMapEncodeTiled (needs a CUDA 12 driver or newer)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape& s) {
+  MOEKIT_CHECK(dtype == DType::bf16 || dtype == DType::f16, "tensor map: only bf16 and f16 are supported, not ",
+               dtype_name(dtype));
+  MOEKIT_CHECK(s.rank >= 1 && s.rank <= 5, "tensor map: rank ", s.rank, " is outside 1..5");
+  MOEKIT_CHECK((reinterpret_cast<uintptr_t>(base) & 15u) == 0, "tensor map: base address not 16-byte aligned");
+  MOEKIT_CHECK(s.box[0] * 2 <= 128, "tensor map: inner box of ", s.box[0], " elements exceeds the 128-byte swizzle");
+  for (int d = 0; d < s.rank; ++d) {
+    MOEKIT_CHECK(s.sizes[d] >= 1 && s.box[d] >= 1 && s.box[d] <= 256, "tensor map: dimension ", d, " size ",
+                 s.sizes[d], " box ", s.box[d]);
+    if (d > 0)
+      MOEKIT_CHECK(s.strides[d - 1] % 16 == 0, "tensor map: stride of dimension ", d, " (", s.strides[d - 1],
+                   " bytes) is not a multiple of 16");
+  }
+  std::array<cuuint32_t, 5> element_strides{1, 1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult r = encoder()(
+      &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      static_cast<cuuint32_t>(s.rank), const_cast<void*>(base), s.sizes.data(), s.strides.data(), s.box.data(),
+      element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error ", static_cast<int>(r), ") for a rank ",
+               s.rank, " map with inner size ", s.sizes[0]);
+  return map;
+}
+
+int multiprocessor_count() {
+  static std::mutex mutex;
+  static std::array<int, 64> counts{};
+  int device = 0;
+  MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
+  auto query = [device] {
+    int n = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  };
+  if (device >= static_cast<int>(counts.size())) return query();
+  std::lock_guard lock(mutex);
+  if (counts[device] == 0) counts[device] = query();
+  return counts[device];
+}
+
+}  // namespace moekit::cuda

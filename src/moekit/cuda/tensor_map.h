@@ -1,0 +1,32 @@
+// Tensor maps of the bulk tensor copy engine (TMA, sm_90): the host-side description of a tiled view
+// of a tensor in device memory that a kernel receives as a __grid_constant__ parameter.
+#pragma once
+
+#include <cuda.h>
+
+#include <array>
+#include <cstdint>
+
+#include "moekit/dtype.h"
+
+namespace moekit::cuda {
+
+// A view of `rank` dimensions (innermost first): sizes in elements, strides in bytes of dimensions
+// 1..rank-1 (dimension 0 is contiguous), and the box one copy moves. Every stride must be a multiple
+// of 16 bytes and the base 16-byte aligned; the box's inner extent is at most 128 bytes, which the
+// 128-byte swizzle (the layout wgmma reads without bank conflicts) needs.
+struct TensorMapShape {
+  int rank = 2;
+  std::array<uint64_t, 5> sizes{};
+  std::array<uint64_t, 4> strides{};
+  std::array<uint32_t, 5> box{};
+};
+
+// Encodes the map for 2-byte elements (bf16 or f16) with the 128-byte swizzle; reads past the edges
+// of the tensor fill the box with zeros. Throws naming the violated constraint.
+CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape& shape);
+
+// Multiprocessors of the current device (cached per device).
+int multiprocessor_count();
+
+}  // namespace moekit::cuda
