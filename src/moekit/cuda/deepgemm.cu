@@ -3,11 +3,17 @@
 //   2. gather each routed token row into its expert's block of the padded layout (every expert's
 //      rows start at a multiple of 128), recording each pair's padded row;
 //   3. first projection: TMA + wgmma grouped GEMM, activation fused into its epilogue;
-//   4. second projection: the same GEMM, bias in its epilogue, float rows;
-//   5. the deterministic weighted combine of grouped_mm (pairs added in k order).
+//   4. second projection: the same GEMM, bias in its epilogue, rows in the activation dtype (as
+//      transformers' grouped_mm rounds them);
+//   5. the deterministic weighted combine of grouped_mm (pairs added in k order, in float).
+// Both GEMMs run in clusters of two blocks that share (multicast) their weight tiles where both row
+// tiles belong to one expert; MOEKIT_DEEPGEMM_CLUSTER=1 in the environment turns that off (a knob for
+// measuring it, read once).
 // Launches are sized from host-known bounds and the tile counts are read on the device, so a call
 // never waits for the host and can be captured in a CUDA graph.
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/grouped_gemm.cuh"
@@ -47,7 +53,7 @@ Layout layout(const ExpertsArgs& a) {
   l.rows = l.pair_row + align256(P * 4);
   l.hidden = l.rows + align256(M * static_cast<std::size_t>(a.hidden) * e);
   l.y = l.hidden + align256(M * static_cast<std::size_t>(a.intermediate) * e);
-  l.total = l.y + align256(M * static_cast<std::size_t>(a.hidden) * sizeof(float));
+  l.total = l.y + align256(M * static_cast<std::size_t>(a.hidden) * e);
   return l;
 }
 
@@ -71,23 +77,57 @@ __global__ void gather_rows_kernel(const ExpertsArgs a, const DeviceRouting r, i
   }
 }
 
-template <typename T, Epilogue kEpi>
-void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const hopper::GemmParams& p, int64_t max_tiles,
-                 cudaStream_t stream) {
-  auto* kernel = hopper::grouped_gemm_kernel<T, kTileN, kEpi, kStages>;
+bool use_clusters() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOEKIT_DEEPGEMM_CLUSTER");
+    return !(v && std::strcmp(v, "1") == 0);
+  }();
+  return on;
+}
+
+template <typename T, Epilogue kEpi, int kCluster>
+void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const hopper::GemmParams& p, int64_t max_tiles,
+                    cudaStream_t stream) {
+  auto* kernel = hopper::grouped_gemm_kernel<T, kTileN, kEpi, kStages, kCluster>;
   constexpr std::size_t smem = hopper::gemm_smem_bytes<kTileN, kStages>();
   static_assert(smem <= 227 * 1024, "the pipeline does not fit in shared memory");
   MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const int64_t work = max_tiles * p.n_blocks;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(work, multiprocessor_count()));
-  kernel<<<blocks, hopper::kThreads, smem, stream>>>(a_map, b_map, p);
-  MOEKIT_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCluster;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(hopper::kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // One cluster per pair of multiprocessors that can hold one, never more than there are units of work.
+  int clusters = multiprocessor_count() / kCluster;
+  if constexpr (kCluster > 1) {
+    config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+    MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    MOEKIT_CHECK(clusters > 0, "deepgemm: no cluster of ", kCluster, " blocks fits on this device");
+  }
+  const int64_t units = (max_tiles + kCluster - 1) / kCluster * p.n_blocks;
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(units, clusters) * kCluster));
+  MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, p));
+}
+
+template <typename T, Epilogue kEpi>
+void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const hopper::GemmParams& p, int64_t max_tiles,
+                 cudaStream_t stream) {
+  if (use_clusters())
+    launch_gemm_on<T, kEpi, 2>(a_map, b_map, p, max_tiles, stream);
+  else
+    launch_gemm_on<T, kEpi, 1>(a_map, b_map, p, max_tiles, stream);
 }
 
 // The B map of a projection's weights, as 4-D {K, rows per part, parts, E} (or {K, parts, rows, E}
-// for interleaved gate/up rows, keeping the strides increasing) with a box of one part's rows.
-CUtensorMap weight_map(const void* w, DType dtype, int64_t K, int64_t rows, int parts, bool interleaved, int64_t E,
-                       int box_rows) {
+// for interleaved gate/up rows, keeping the strides increasing) with a box of half a weight tile.
+CUtensorMap weight_map(const void* w, DType dtype, int64_t K, int64_t rows, int parts, bool interleaved, int64_t E) {
+  constexpr int box_rows = kTileN / 2;
   const uint64_t row_bytes = static_cast<uint64_t>(K) * 2;
   const uint64_t expert_bytes = row_bytes * static_cast<uint64_t>(rows * parts);
   TensorMapShape s;
@@ -124,7 +164,7 @@ void forward_typed(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   auto* pair_padded_row = reinterpret_cast<int32_t*>(base + l.pair_row);
   void* rows = base + l.rows;
   void* hidden = base + l.hidden;
-  auto* y = reinterpret_cast<float*>(base + l.y);
+  void* y = base + l.y;
   if (P > 0) {
     gather_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 128, 0, stream>>>(
         a, r, pair_padded_row, static_cast<uint4*>(rows));
@@ -140,11 +180,11 @@ void forward_typed(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
     const CUtensorMap up_rows = rows_map(rows, a.dtype, a.hidden, M);
     if (a.has_gate) {
       up.n_blocks = static_cast<int>((a.intermediate + kTileN / 2 - 1) / (kTileN / 2));
-      const CUtensorMap w = weight_map(a.up, a.dtype, a.hidden, a.intermediate, 2, up.interleaved, a.experts, kTileN / 2);
+      const CUtensorMap w = weight_map(a.up, a.dtype, a.hidden, a.intermediate, 2, up.interleaved, a.experts);
       launch_gemm<T, Epilogue::gated_activation>(up_rows, w, up, max_tiles, stream);
     } else {
       up.n_blocks = static_cast<int>((a.intermediate + kTileN - 1) / kTileN);
-      const CUtensorMap w = weight_map(a.up, a.dtype, a.hidden, a.intermediate, 1, false, a.experts, kTileN);
+      const CUtensorMap w = weight_map(a.up, a.dtype, a.hidden, a.intermediate, 1, false, a.experts);
       launch_gemm<T, Epilogue::activation>(up_rows, w, up, max_tiles, stream);
     }
 
@@ -156,18 +196,19 @@ void forward_typed(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
     down.outputs = a.hidden;
     down.out = y;
     const CUtensorMap down_rows = rows_map(hidden, a.dtype, a.intermediate, M);
-    const CUtensorMap w = weight_map(a.down, a.dtype, a.intermediate, a.hidden, 1, false, a.experts, kTileN);
-    launch_gemm<T, Epilogue::store_float>(down_rows, w, down, max_tiles, stream);
+    const CUtensorMap w = weight_map(a.down, a.dtype, a.intermediate, a.hidden, 1, false, a.experts);
+    launch_gemm<T, Epilogue::store_rows>(down_rows, w, down, max_tiles, stream);
   }
-  GroupedProblem g;
-  g.a = a;
-  g.r = r;
-  g.r.pair_row = pair_padded_row;
-  g.y = y;
-  launch_combine(g, stream);
+  launch_combine_rows(a, pair_padded_row, y, false, stream);
 }
 
 }  // namespace
+
+bool hopper_gemm_runs(const ExpertsArgs& a) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  return (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && !a.fp8 && a.hidden % 8 == 0 &&
+         a.intermediate % 8 == 0 && aligned(a.x) && aligned(a.up) && aligned(a.down) && device_is_sm90();
+}
 
 std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a) {
   return layout(a).total;

@@ -1,17 +1,34 @@
 // grouped_mm on CUDA: route on the device, one grouped product per projection, a deterministic
 // combine. Every launch is sized from host-known bounds, so the call never synchronises with the
-// host and can be captured in a CUDA graph.
+// host and can be captured in a CUDA graph. On Hopper (compute capability 9.0) the problems deepgemm's
+// TMA + wgmma kernels take run through them (same routing and combine, rows padded per expert);
+// MOEKIT_HOPPER_GEMM=0 in the environment keeps the portable kernels (read once; for comparing them).
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "moekit/cuda/grouped_gemm.cuh"
 
 namespace moekit::cuda {
 
+namespace {
+
+bool uses_hopper_gemm(const ExpertsArgs& a) {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MOEKIT_HOPPER_GEMM");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return allowed && hopper_gemm_runs(a);
+}
+
+}  // namespace
+
 std::size_t grouped_mm_workspace_bytes(const ExpertsArgs& a) {
-  return grouped_buffers_bytes(a);
+  return uses_hopper_gemm(a) ? deepgemm_workspace_bytes(a) : grouped_buffers_bytes(a);
 }
 
 void grouped_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
+  if (uses_hopper_gemm(a)) return deepgemm_forward(a, workspace, stream);
   GroupedProblem g = grouped_buffers(a, workspace);
   route_on_device(a, kTileRows, static_cast<char*>(workspace) + kRoutingOffset, g.r, stream);
   const int64_t P = a.tokens * a.top_k;

@@ -11,13 +11,14 @@
 //   gated_activation: the B tile holds BN/2 gate rows then BN/2 up rows of the same intermediate
 //                     columns, so act(gate) * up is formed in registers and stored in T;
 //   activation:       act(x) of an ungated first projection, stored in T;
-//   store_float:      the second projection plus its bias, stored in float for the combine.
+//   store_rows:       the second projection plus its bias, stored in T for the combine.
 // CUTLASS/CuTe supply the instruction wrappers (TMA copies, mbarriers, wgmma, register
 // reconfiguration); the schedule, the fused epilogues and the layouts are ours.
 #pragma once
 
 #include <cuda.h>
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -41,7 +42,7 @@ constexpr int kBlockK = 64;      // 64 two-byte elements: one 128-byte swizzle r
 constexpr int kMathGroups = 2;   // math warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kMathGroups);
 
-enum class Epilogue : uint8_t { gated_activation, activation, store_float };
+enum class Epilogue : uint8_t { gated_activation, activation, store_rows };
 
 struct GemmParams {
   ExpertsArgs a;                          // sizes, activation, biases
@@ -50,7 +51,7 @@ struct GemmParams {
   int k_blocks = 0;                       // ceil(K / 64)
   bool interleaved = false;               // B map coordinates (k, part, n, e) instead of (k, n, part, e)
   int64_t outputs = 0;                    // valid output columns (I for the first projection, H for the second)
-  void* out = nullptr;                    // [rows, outputs]: T for the first projection, float for the second
+  void* out = nullptr;                    // [rows, outputs] in T
 };
 
 template <int BN, int kStages>
@@ -150,7 +151,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     const int64_t N = kEpi == Epilogue::activation ? a.intermediate : a.hidden;
     const T* bias = nullptr;
     if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias) + expert * N;
-    if (kEpi == Epilogue::store_float && a.down_bias) bias = static_cast<const T*>(a.down_bias) + expert * N;
+    if (kEpi == Epilogue::store_rows && a.down_bias) bias = static_cast<const T*>(a.down_bias) + expert * N;
 #pragma unroll
     for (int i = 0; i < BN / 2; i += 2) {
       const int64_t j = int64_t{n_block} * BN + acc_col(lane, i);
@@ -162,22 +163,28 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
         *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) =
             activated_pair<T>(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
       } else {
-        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + row * p.outputs + j) = make_float2(v0, v1);
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) = pack2<T>(v0, v1);
       }
     }
   }
 }
 
-template <typename T, int BN, Epilogue kEpi, int kStages>
+// kCluster 2: pairs of blocks (a cluster) take the row tiles 2p and 2p + 1 of the same column block.
+// When both tiles belong to one expert, each block copies half of the weight tile and the copy engine
+// multicasts it into both blocks' stages, halving the weight traffic from L2; otherwise each loads its
+// own. Each block's "empty" barriers then count the math warpgroups of both blocks, since a stage is
+// written by the peer too, which keeps the pair in lockstep.
+template <typename T, int BN, Epilogue kEpi, int kStages, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const GemmParams p) {
 #if MOEKIT_SM90A_DEVICE
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int kParts = kEpi == Epilogue::gated_activation ? 2 : 1;
-  constexpr int kPartRows = BN / kParts;
-  constexpr int kABytes = kBlockM * kBlockK * 2, kBBytes = BN * kBlockK * 2, kStageBytes = kABytes + kBBytes;
+  static_assert(kCluster == 1 || kCluster == 2);
+  constexpr int kHalfRows = BN / 2;  // the weight tile is copied as two halves (gated: gate rows, up rows)
+  constexpr int kABytes = kBlockM * kBlockK * 2, kHalfBytes = kHalfRows * kBlockK * 2;
+  constexpr int kStageBytes = kABytes + 2 * kHalfBytes;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -186,42 +193,80 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&full[s], 1);
-      Barrier::init(&empty[s], kMathGroups);
+      Barrier::init(&empty[s], kMathGroups * kCluster);
     }
-    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kCluster > 1)
+    cute::cluster_sync();  // the peer's barriers are initialised before anyone signals them
+  else
+    __syncthreads();
 
+  const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
   const int64_t experts = p.a.experts;
-  const int64_t tiles = int64_t{p.tile_offsets[experts]} * p.n_blocks;
+  const int64_t m_tiles = p.tile_offsets[experts];
+  const int64_t units = (m_tiles + kCluster - 1) / kCluster * p.n_blocks;
+  const int64_t first_unit = blockIdx.x / kCluster, unit_step = gridDim.x / kCluster;
+  // This block's row tile and expert in a unit, and whether the pair shares its weight tile.
+  struct Tile {
+    int64_t m_tile;
+    int n_block;
+    int expert;
+    bool valid, multicast;
+  };
+  auto tile_of = [&](int64_t unit) {
+    Tile t;
+    const int64_t pair = unit / p.n_blocks;
+    t.n_block = static_cast<int>(unit % p.n_blocks);
+    t.m_tile = pair * kCluster + rank;
+    t.valid = t.m_tile < m_tiles;
+    t.expert = t.valid ? static_cast<int>(expert_of(p.tile_offsets, experts, t.m_tile)) : 0;
+    t.multicast = false;
+    if constexpr (kCluster > 1) {
+      const int64_t peer = pair * kCluster + (rank ^ 1);
+      t.multicast = t.valid && peer < m_tiles && expert_of(p.tile_offsets, experts, peer) == t.expert;
+    }
+    return t;
+  };
+
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x != 0) return;
-    cute::prefetch_tma_descriptor(&a_map);
-    cute::prefetch_tma_descriptor(&b_map);
-    constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const int64_t m_tile = tile / p.n_blocks;
-      const int n0 = static_cast<int>(tile % p.n_blocks) * kPartRows;
-      const int e = static_cast<int>(expert_of(p.tile_offsets, experts, m_tile));
-      for (int kb = 0; kb < p.k_blocks; ++kb) {
-        Barrier::wait(&empty[stage], phase ^ 1);
-        TxBarrier::arrive_and_expect_tx(&full[stage], kStageBytes);
-        uint8_t* sa = smem + stage * kStageBytes;
-        uint8_t* sb = sa + kABytes;
-        cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, kb * kBlockK, static_cast<int>(m_tile * kBlockM));
-#pragma unroll
-        for (int part = 0; part < kParts; ++part) {
-          uint8_t* dst = sb + part * kPartRows * kBlockK * 2;
-          if (p.interleaved)
-            cute::SM90_TMA_LOAD_4D::copy(&b_map, &full[stage], kHint, dst, kb * kBlockK, part, n0, e);
-          else
-            cute::SM90_TMA_LOAD_4D::copy(&b_map, &full[stage], kHint, dst, kb * kBlockK, n0, part, e);
+    if (threadIdx.x == 0) {
+      cute::prefetch_tma_descriptor(&a_map);
+      cute::prefetch_tma_descriptor(&b_map);
+      constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int64_t unit = first_unit; unit < units; unit += unit_step) {
+        const Tile t = tile_of(unit);
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+          Barrier::wait(&empty[stage], phase ^ 1);
+          TxBarrier::arrive_and_expect_tx(&full[stage], kStageBytes);
+          uint8_t* sa = smem + stage * kStageBytes;
+          uint8_t* sb = sa + kABytes;
+          const int k = kb * kBlockK;
+          cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.m_tile * kBlockM));
+          // Half h of the weight tile: gated, the gate (h = 0) or up (h = 1) rows of the block's columns;
+          // otherwise rows h * 128 onwards of its 256.
+          auto copy_half = [&](int h, bool multicast) {
+            const int n = kEpi == Epilogue::gated_activation ? t.n_block * kHalfRows : t.n_block * BN + h * kHalfRows;
+            const int part = kEpi == Epilogue::gated_activation ? h : 0;
+            const int c1 = p.interleaved ? part : n, c2 = p.interleaved ? n : part;
+            uint8_t* dst = sb + h * kHalfBytes;
+            if (multicast)
+              cute::SM90_TMA_LOAD_MULTICAST_4D::copy(&b_map, &full[stage], uint16_t{0x3}, kHint, dst, k, c1, c2, t.expert);
+            else
+              cute::SM90_TMA_LOAD_4D::copy(&b_map, &full[stage], kHint, dst, k, c1, c2, t.expert);
+          };
+          if (t.multicast) {
+            copy_half(static_cast<int>(rank), true);
+          } else {
+            copy_half(0, false);
+            copy_half(1, false);
+          }
+          if (++stage == kStages) stage = 0, phase ^= 1;
         }
-        if (++stage == kStages) stage = 0, phase ^= 1;
       }
     }
   } else {
@@ -233,9 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     int stage = 0;
     uint32_t phase = 0;
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const int64_t m_tile = tile / p.n_blocks;
-      const int n_block = static_cast<int>(tile % p.n_blocks);
+    for (int64_t unit = first_unit; unit < units; unit += unit_step) {
+      const Tile t = tile_of(unit);
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         Barrier::wait(&full[stage], phase);
         const uint8_t* sa = smem + stage * kStageBytes + math * 64 * kBlockK * 2;
@@ -251,13 +295,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
         cute::warpgroup_wait<0>();
-        if (threadIdx.x % 128 == 0) Barrier::arrive(&empty[stage]);
+        if (threadIdx.x % 128 == 0) {
+          if constexpr (kCluster > 1) {
+#pragma unroll
+            for (uint32_t r = 0; r < kCluster; ++r) Barrier::arrive(&empty[stage], r, 1u);
+          } else {
+            Barrier::arrive(&empty[stage]);
+          }
+        }
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
-      const int64_t e = expert_of(p.tile_offsets, experts, m_tile);
-      store_epilogue<T, BN, kEpi>(p, acc, e, m_tile, n_block, math);
+      if (t.valid) store_epilogue<T, BN, kEpi>(p, acc, t.expert, t.m_tile, t.n_block, math);
     }
   }
+  if constexpr (kCluster > 1) cute::cluster_sync();  // no block leaves while its peer may still signal it
 #else
   (void)a_map, (void)b_map, (void)p;
   __trap();  // launched only on compute capability 9.0, where the sm_90a code exists

@@ -52,20 +52,36 @@ CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape&
   return map;
 }
 
-int multiprocessor_count() {
-  static std::mutex mutex;
-  static std::array<int, 64> counts{};
+namespace {
+
+// One attribute of the current device, cached per device (devices past the cache are asked each time).
+int cached_attribute(cudaDeviceAttr attr, std::array<int, 64>& cache, std::mutex& mutex) {
   int device = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
-  auto query = [device] {
-    int n = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    return n;
+  auto query = [&] {
+    int v = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
+    return v + 1;  // 0 marks "not asked yet"
   };
-  if (device >= static_cast<int>(counts.size())) return query();
+  if (device >= static_cast<int>(cache.size())) return query() - 1;
   std::lock_guard lock(mutex);
-  if (counts[device] == 0) counts[device] = query();
-  return counts[device];
+  if (cache[device] == 0) cache[device] = query();
+  return cache[device] - 1;
+}
+
+}  // namespace
+
+int multiprocessor_count() {
+  static std::mutex mutex;
+  static std::array<int, 64> cache{};
+  return cached_attribute(cudaDevAttrMultiProcessorCount, cache, mutex);
+}
+
+bool device_is_sm90() {
+  static std::mutex mutex;
+  static std::array<int, 64> major{}, minor{};
+  return cached_attribute(cudaDevAttrComputeCapabilityMajor, major, mutex) == 9 &&
+         cached_attribute(cudaDevAttrComputeCapabilityMinor, minor, mutex) == 0;
 }
 
 }  // namespace moekit::cuda

@@ -28,5 +28,7 @@ CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape&
 
 // Multiprocessors of the current device (cached per device).
 int multiprocessor_count();
+// Whether the current device is compute capability 9.0, where the sm_90a kernels run (cached).
+bool device_is_sm90();
 
 }  // namespace moekit::cuda
