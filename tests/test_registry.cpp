@@ -176,7 +176,7 @@ TEST(Registry, RefusedProblemThrowsWithTheReasonBeforeAnyWork) {
   EXPECT_EQ(backend->forward_calls, 1);
 }
 
-// deepgemm, deepgemm_megamoe and sonicmoe have no kernels on this machine: they must say so with a reason,
+// deepgemm, deepgemm_megamoe and sonicmoe cannot run on the CPU: they must say so with a reason,
 // and experts_forward must stop before touching the output.
 class UnavailableBackend : public ::testing::TestWithParam<std::string> {};
 

@@ -1,77 +1,18 @@
-// deepgemm: the contiguous-layout grouped GEMM with the bulk tensor copy engine and wgmma, for Hopper
-// (compute capability 9.0, sm_90a code). CUDA only; every other device or problem is refused with
-// the reason. The kernels are in src/moekit/cuda/deepgemm.cu.
-#include <string>
-
+// deepgemm: DeepGEMM's contiguous layout on Hopper: token rows copied into per-expert blocks padded
+// to 128, then two TMA + wgmma grouped GEMMs (activation fused into the first) and the weighted
+// combine. CUDA kernels: src/moekit/cuda/hopper_experts.cu.
 #include "moekit/backends/builtin_backends.h"
-#include "moekit/backends/portable_backend.h"
-#include "moekit/backends/quantized_support.h"
-#include "moekit/core/device_memory.h"
+#include "moekit/backends/hopper_backend.h"
 
 namespace moekit::backends {
 namespace {
 
-bool aligned16(const Tensor& t) {
-  return !t.defined() || (reinterpret_cast<uintptr_t>(t.data()) & 15u) == 0;
-}
-
-class DeepGemm final : public ExpertsBackend {
+class DeepGemm final : public HopperBackend {
  public:
+  DeepGemm() : HopperBackend(MOEKIT_CUDA_KERNELS(deepgemm)) {}
   std::string_view name() const override { return "deepgemm"; }
   std::string_view description() const override {
     return "TMA + wgmma grouped GEMM for Hopper (sm_90a), rows padded per expert to 128, activation fused";
-  }
-
-  Support supports_device(Device device) const override {
-    if (device.is_cpu())
-      return Support::no(
-          "not supported on this device: deepgemm runs on Hopper GPUs (compute capability 9.0) only; on the CPU use "
-          "grouped_mm");
-    if (Support s = cuda_device_support(device); !s) return s;
-    const auto cc = device_compute_capability(device);
-    if (!cc || cc->major != 9 || cc->minor != 0)
-      return Support::no("deepgemm needs a Hopper GPU (compute capability 9.0, sm_90a code); this device is " +
-                         (cc ? std::to_string(cc->major) + "." + std::to_string(cc->minor) : std::string("unknown")));
-    return Support::yes();
-  }
-
-  Support supports(const ExpertsProblem& p) const override {
-    if (const auto cc = device_compute_capability(p.hidden_states.device()))
-      if (Support s = blackwell_scale_support(p, *cc, name()); !s) return s;
-    if (Support s = quantized_cuda_support(p, name()); !s) return s;
-    if (Support s = supports_device(p.hidden_states.device()); !s) return s;
-    const DType dtype = p.hidden_states.dtype();
-    if (dtype != DType::bf16 && dtype != DType::f16)
-      return Support::no("deepgemm computes in bf16 or f16 on the tensor cores; the activations are " +
-                         std::string(dtype_name(dtype)) + " (use grouped_mm for float32)");
-    if (p.config.is_transposed)
-      return Support::no("deepgemm reads weights as [experts, out, in] (is_transposed = false); these are transposed");
-    const ExpertsShape s = validate(p);
-    if (s.hidden % 8 != 0 || s.intermediate % 8 != 0)
-      return Support::no("deepgemm's tensor copies need rows of a multiple of 16 bytes: hidden size " +
-                         std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +
-                         " must be multiples of 8");
-    for (const Tensor* t : {&p.hidden_states, &p.gate_up_proj, &p.down_proj})
-      if (!aligned16(*t)) return Support::no("deepgemm needs 16-byte aligned hidden states and weights");
-    return Support::yes();
-  }
-
-  std::size_t workspace_bytes(const ExpertsProblem& p) const override {
-#if MOEKIT_HAS_CUDA
-    return cuda::deepgemm_workspace_bytes(cuda_args(p));
-#else
-    (void)p;
-    return 0;
-#endif
-  }
-
-  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override {
-#if MOEKIT_HAS_CUDA
-    cuda::deepgemm_forward(cuda_args(p, &out), workspace, cuda_stream(stream));
-#else
-    (void)p, (void)out, (void)workspace, (void)stream;
-    MOEKIT_FAIL("deepgemm: ", kNoCudaReason);
-#endif
   }
 };
 

@@ -22,6 +22,16 @@ inline cudaStream_t cuda_stream(Stream s) {
 }
 #endif
 
+// A backend's CUDA entry points (MOEKIT_CUDA_KERNELS below), or nothing in a CPU-only build.
+#if MOEKIT_HAS_CUDA
+struct CudaKernels {
+  std::size_t (*workspace_bytes)(const cuda::ExpertsArgs&);
+  void (*forward)(const cuda::ExpertsArgs&, void*, cudaStream_t);
+};
+#else
+struct CudaKernels {};
+#endif
+
 // eager, batched_mm and grouped_mm: the same answer to "can you run here?" and the same split
 // between their CPU implementation (in the backend's file) and their CUDA kernels (named here).
 class PortableBackend : public ExpertsBackend {
@@ -37,13 +47,8 @@ class PortableBackend : public ExpertsBackend {
 
  protected:
 #if MOEKIT_HAS_CUDA
-  struct CudaKernels {
-    std::size_t (*workspace_bytes)(const cuda::ExpertsArgs&);
-    void (*forward)(const cuda::ExpertsArgs&, void*, cudaStream_t);
-  };
   explicit PortableBackend(CudaKernels kernels) : cuda_(kernels) {}
 #else
-  struct CudaKernels {};
   explicit PortableBackend(CudaKernels) {}
 #endif
   // Whether this backend's CUDA kernels read FP8 e4m3 weights (batched_mm); the others refuse them.

@@ -52,7 +52,10 @@ void eager_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
 // deepgemm: sm_90a only (bf16/f16, untransposed weights, H and I multiples of 8; the backend checks).
 std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a);
 void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
-// Whether deepgemm's kernels run this problem on the current device (grouped_mm uses them there).
+// sonicmoe: the same kernels with the token gather in the first GEMM and the routing weight in the second.
+std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a);
+void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
+// Whether the Hopper kernels run this problem on the current device (grouped_mm uses them there).
 bool hopper_gemm_runs(const ExpertsArgs& a);
 
 }  // namespace moekit::cuda

@@ -252,7 +252,7 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
 // Y: the type of the per-pair rows (float for grouped_mm and eager, the activation dtype for deepgemm).
 template <typename T, typename Y>
 __global__ void __launch_bounds__(256) combine_kernel(const ExpertsArgs a, const int32_t* pair_row, const Y* y,
-                                                      bool vectorized) {
+                                                      bool vectorized, bool weighted) {
   const int64_t t = blockIdx.x, H = a.hidden, K = a.top_k;
   bool invalid = false;
   for (int64_t k = 0; k < K; ++k) invalid |= load_id(a, t * K + k) < 0;
@@ -266,17 +266,22 @@ __global__ void __launch_bounds__(256) combine_kernel(const ExpertsArgs a, const
         for (int64_t k = 0; k < K; ++k) {
           const int32_t row = pair_row[t * K + k];
           if (row < 0) continue;
-          const float w = load_routing_weight<T>(a, t * K + k);
+          const float w = weighted ? load_routing_weight<T>(a, t * K + k) : 1.0f;
           const uint4 raw = __ldg(reinterpret_cast<const uint4*>(y + row * H) + v);
-          const Y* e = reinterpret_cast<const Y*>(&raw);
+          const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = fmaf(w, to_f(e[i]), acc[i]);
+          for (int i = 0; i < 8; ++i) {
+            Y e;
+            e.bits = static_cast<uint16_t>(i % 2 ? words[i / 2] >> 16 : words[i / 2] & 0xffffu);
+            acc[i] = fmaf(w, to_f(e), acc[i]);
+          }
         }
-        uint4 packed;
-        T* o = reinterpret_cast<T*>(&packed);
+        uint32_t words[4];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = from_f<T>(invalid ? nan : acc[i]);
-        reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] = packed;
+        for (int i = 0; i < 4; ++i)
+          words[i] = static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i]).bits) |
+                     static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i + 1]).bits) << 16;
+        reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] = make_uint4(words[0], words[1], words[2], words[3]);
       }
       return;
     }
@@ -285,7 +290,7 @@ __global__ void __launch_bounds__(256) combine_kernel(const ExpertsArgs a, const
     float acc = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
       const int32_t row = pair_row[t * K + k];
-      if (row >= 0) acc = fmaf(load_routing_weight<T>(a, t * K + k), to_f(y[row * H + h]), acc);
+      if (row >= 0) acc = fmaf(weighted ? load_routing_weight<T>(a, t * K + k) : 1.0f, to_f(y[row * H + h]), acc);
     }
     static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? nan : acc);
   }
@@ -331,7 +336,7 @@ void launch_grouped_projection(const GroupedProblem& g, Projection p, int64_t ma
   });
 }
 
-void launch_combine_rows(const ExpertsArgs& a, const int32_t* pair_row, const void* y, bool y_is_float,
+void launch_combine_rows(const ExpertsArgs& a, const int32_t* pair_row, const void* y, bool y_is_float, bool weighted,
                          cudaStream_t stream) {
   if (a.tokens == 0) return;
   MOEKIT_CHECK(a.tokens <= 0x7fffffff, "combine: too many tokens for one launch");
@@ -340,16 +345,16 @@ void launch_combine_rows(const ExpertsArgs& a, const int32_t* pair_row, const vo
     const auto blocks = static_cast<unsigned>(a.tokens);
     const bool vectorized = a.hidden % 8 == 0 && aligned16(a.out) && aligned16(y);
     if (y_is_float)
-      combine_kernel<T, float><<<blocks, 256, 0, stream>>>(a, pair_row, static_cast<const float*>(y), false);
+      combine_kernel<T, float><<<blocks, 256, 0, stream>>>(a, pair_row, static_cast<const float*>(y), false, weighted);
     else
       combine_kernel<T, T><<<blocks, vectorized ? 128 : 256, 0, stream>>>(a, pair_row, static_cast<const T*>(y),
-                                                                         vectorized);
+                                                                         vectorized, weighted);
     MOEKIT_CUDA_CHECK_LAUNCH();
   });
 }
 
 void launch_combine(const GroupedProblem& g, cudaStream_t stream) {
-  launch_combine_rows(g.a, g.r.pair_row, g.y, true, stream);
+  launch_combine_rows(g.a, g.r.pair_row, g.y, true, true, stream);
 }
 
 }  // namespace moekit::cuda

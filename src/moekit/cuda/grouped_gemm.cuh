@@ -155,8 +155,9 @@ constexpr int kTileRows = 64;
 
 // out[t] = sum_k w[t, k] * y[pair_row[t * K + k]] in k order (NaN for a token with a negative id).
 void launch_combine(const GroupedProblem& g, cudaStream_t stream);
-// The same over rows y [*, H] in float (y_is_float) or in the activation dtype, pair_row [T * K].
-void launch_combine_rows(const ExpertsArgs& a, const int32_t* pair_row, const void* y, bool y_is_float,
+// The same over rows y [*, H] in float (y_is_float) or in the activation dtype, pair_row [T * K];
+// weighted = false adds rows that already carry their routing weight.
+void launch_combine_rows(const ExpertsArgs& a, const int32_t* pair_row, const void* y, bool y_is_float, bool weighted,
                          cudaStream_t stream);
 
 }  // namespace moekit::cuda

@@ -12,6 +12,10 @@
 //                     columns, so act(gate) * up is formed in registers and stored in T;
 //   activation:       act(x) of an ungated first projection, stored in T;
 //   store_rows:       the second projection plus its bias, stored in T for the combine.
+// kGatherA (sonicmoe's first projection): instead of a TMA copy of a permuted row buffer, the whole
+// producer warpgroup gathers each tile's token rows straight from the hidden states with 16-byte
+// cp.async copies into the same swizzled layout, completing on the same "full" barrier.
+// With padded_pair set, the store_rows epilogue multiplies each row by its pair's routing weight.
 // CUTLASS/CuTe supply the instruction wrappers (TMA copies, mbarriers, wgmma, register
 // reconfiguration); the schedule, the fused epilogues and the layouts are ours.
 #pragma once
@@ -42,6 +46,16 @@ constexpr int kBlockK = 64;      // 64 two-byte elements: one 128-byte swizzle r
 constexpr int kMathGroups = 2;   // math warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kMathGroups);
 
+// Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64,512 of the 65,536.
+constexpr int kProducerRegisters = 56, kMathRegisters = 224;
+
+// 16-byte cp.async into shared memory; valid = false fills the 16 bytes with zeros and reads nothing.
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 enum class Epilogue : uint8_t { gated_activation, activation, store_rows };
 
 struct GemmParams {
@@ -52,6 +66,10 @@ struct GemmParams {
   bool interleaved = false;               // B map coordinates (k, part, n, e) instead of (k, n, part, e)
   int64_t outputs = 0;                    // valid output columns (I for the first projection, H for the second)
   void* out = nullptr;                    // [rows, outputs] in T
+  // [rows]: the (token, slot) pair of each padded row, -1 for padding. Read by the gathering producer
+  // and, when weight_rows, by the store_rows epilogue.
+  const int32_t* padded_pair = nullptr;
+  bool weight_rows = false;
 };
 
 template <int BN, int kStages>
@@ -149,6 +167,15 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     }
   } else {
     const int64_t N = kEpi == Epilogue::activation ? a.intermediate : a.hidden;
+    // The routing weights of this thread's two rows (store_rows with weight_rows only).
+    float weight[2] = {1.0f, 1.0f};
+    if (kEpi == Epilogue::store_rows && p.weight_rows) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int32_t pair = p.padded_pair[row_base + acc_row(warp, lane, 2 * h)];
+        weight[h] = pair >= 0 ? load_routing_weight<T>(a, pair) : 0.0f;
+      }
+    }
     const T* bias = nullptr;
     if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias) + expert * N;
     if (kEpi == Epilogue::store_rows && a.down_bias) bias = static_cast<const T*>(a.down_bias) + expert * N;
@@ -163,7 +190,8 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
         *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) =
             activated_pair<T>(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
       } else {
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) = pack2<T>(v0, v1);
+        const float w = weight[(i >> 1) & 1];
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) = pack2<T>(v0 * w, v1 * w);
       }
     }
   }
@@ -174,7 +202,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
 // multicasts it into both blocks' stages, halving the weight traffic from L2; otherwise each loads its
 // own. Each block's "empty" barriers then count the math warpgroups of both blocks, since a stage is
 // written by the peer too, which keeps the pair in lockstep.
-template <typename T, int BN, Epilogue kEpi, int kStages, int kCluster>
+template <typename T, int BN, Epilogue kEpi, int kStages, int kCluster, bool kGatherA>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                         const GemmParams p) {
@@ -192,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], 1);
+      Barrier::init(&full[s], kGatherA ? 1 + 128 : 1);  // gathering: + one cp.async arrival per producer thread
       Barrier::init(&empty[s], kMathGroups * kCluster);
     }
     cutlass::arch::fence_barrier_init();
@@ -231,22 +259,52 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x == 0) {
-      cute::prefetch_tma_descriptor(&a_map);
-      cute::prefetch_tma_descriptor(&b_map);
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    if (kGatherA || threadIdx.x == 0) {
+      if (threadIdx.x == 0) {
+        if constexpr (!kGatherA) cute::prefetch_tma_descriptor(&a_map);
+        cute::prefetch_tma_descriptor(&b_map);
+      }
       constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+      // Gathering: this thread copies 16-byte chunk `chunk` of rows first_row + 16 i (i < 8) of each tile.
+      const int chunk = threadIdx.x % 8, first_row = threadIdx.x / 8;
       int stage = 0;
       uint32_t phase = 0;
       for (int64_t unit = first_unit; unit < units; unit += unit_step) {
         const Tile t = tile_of(unit);
+        int32_t token[kGatherA ? 8 : 1];
+        if constexpr (kGatherA) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int32_t pair = t.valid ? p.padded_pair[t.m_tile * kBlockM + first_row + 16 * i] : -1;
+            token[i] = pair >= 0 ? static_cast<int32_t>(pair / p.a.top_k) : -1;
+          }
+        }
         for (int kb = 0; kb < p.k_blocks; ++kb) {
           Barrier::wait(&empty[stage], phase ^ 1);
-          TxBarrier::arrive_and_expect_tx(&full[stage], kStageBytes);
           uint8_t* sa = smem + stage * kStageBytes;
           uint8_t* sb = sa + kABytes;
           const int k = kb * kBlockK;
-          cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.m_tile * kBlockM));
+          if constexpr (kGatherA) {
+            const int64_t col = k + chunk * 8;
+            const T* x = static_cast<const T*>(p.a.x);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              const int r = first_row + 16 * i;  // r % 8 == first_row % 8: the 128-byte swizzle's row phase
+              const bool ok = token[i] >= 0 && col < p.a.hidden;
+              cp_async16_zfill(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16), ok ? x + token[i] * p.a.hidden + col : x,
+                               ok);
+            }
+            cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+            if (threadIdx.x != 0) {
+              if (++stage == kStages) stage = 0, phase ^= 1;
+              continue;
+            }
+            TxBarrier::arrive_and_expect_tx(&full[stage], 2 * kHalfBytes);
+          } else {
+            TxBarrier::arrive_and_expect_tx(&full[stage], kStageBytes);
+            cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.m_tile * kBlockM));
+          }
           // Half h of the weight tile: gated, the gate (h = 0) or up (h = 1) rows of the block's columns;
           // otherwise rows h * 128 onwards of its 256.
           auto copy_half = [&](int h, bool multicast) {
@@ -270,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<232>();
+    cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
     using Op = typename WgmmaOp<T, BN>::type;
     const int math = warpgroup - 1;
     float acc[BN / 2];
@@ -278,10 +336,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     int stage = 0;
     uint32_t phase = 0;
+    // Frees a stage for the producer: this block's and (clusters) the peer's.
+    auto release = [&](int s) {
+      if (threadIdx.x % 128 != 0) return;
+      if constexpr (kCluster > 1) {
+#pragma unroll
+        for (uint32_t r = 0; r < kCluster; ++r) Barrier::arrive(&empty[s], r, 1u);
+      } else {
+        Barrier::arrive(&empty[s]);
+      }
+    };
     for (int64_t unit = first_unit; unit < units; unit += unit_step) {
       const Tile t = tile_of(unit);
+      int previous = -1;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         Barrier::wait(&full[stage], phase);
+        // Rows gathered by cp.async were written through the generic proxy; wgmma reads through the async one.
+        if constexpr (kGatherA) cutlass::arch::fence_view_async_shared();
         const uint8_t* sa = smem + stage * kStageBytes + math * 64 * kBlockK * 2;
         const uint8_t* sb = smem + stage * kStageBytes + kABytes;
 #pragma unroll
@@ -294,17 +365,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         cute::warpgroup_commit_batch();
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-        cute::warpgroup_wait<0>();
-        if (threadIdx.x % 128 == 0) {
-          if constexpr (kCluster > 1) {
-#pragma unroll
-            for (uint32_t r = 0; r < kCluster; ++r) Barrier::arrive(&empty[stage], r, 1u);
-          } else {
-            Barrier::arrive(&empty[stage]);
-          }
-        }
+        // One batch stays in flight: wait for the previous k block's products, then free its stage.
+        cute::warpgroup_wait<1>();
+        if (previous >= 0) release(previous);
+        previous = stage;
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      if (previous >= 0) release(previous);
       if (t.valid) store_epilogue<T, BN, kEpi>(p, acc, t.expert, t.m_tile, t.n_block, math);
     }
   }

@@ -1,5 +1,5 @@
-// deepgemm_megamoe and sonicmoe: registered by name so that users see them, and refused
-// with the reason until their Hopper kernels land. They never compute anything.
+// deepgemm_megamoe: registered by name so that users see it, and refused with the reason until
+// its multi-GPU kernels land. It never computes anything.
 #include <string>
 
 #include "moekit/backends/builtin_backends.h"
@@ -45,14 +45,6 @@ std::shared_ptr<ExpertsBackend> make_deepgemm_megamoe() {
       "not supported on this device: needs several GPUs with expert parallelism and a fused kernel that this "
       "version of moekit does not have yet",
       true);
-}
-
-std::shared_ptr<ExpertsBackend> make_sonicmoe() {
-  return std::make_shared<NotYetAvailableBackend>(
-      "sonicmoe", "fused routed forward for Hopper: gather in the operand load, activation and combine fused",
-      "not supported on this device: needs a Hopper (sm_90a) GPU kernel that this version of moekit does not "
-      "have yet",
-      false);
 }
 
 }  // namespace moekit::backends

@@ -1,0 +1,68 @@
+#include "moekit/backends/hopper_backend.h"
+
+#include "moekit/backends/quantized_support.h"
+#include "moekit/core/device_memory.h"
+
+namespace moekit::backends {
+namespace {
+
+bool aligned16(const Tensor& t) {
+  return !t.defined() || (reinterpret_cast<uintptr_t>(t.data()) & 15u) == 0;
+}
+
+}  // namespace
+
+Support HopperBackend::supports_device(Device device) const {
+  const std::string n(name());
+  if (device.is_cpu())
+    return Support::no("not supported on this device: " + n +
+                       " runs on Hopper GPUs (compute capability 9.0) only; on the CPU use grouped_mm");
+  if (Support s = cuda_device_support(device); !s) return s;
+  const auto cc = device_compute_capability(device);
+  if (!cc || cc->major != 9 || cc->minor != 0)
+    return Support::no(n + " needs a Hopper GPU (compute capability 9.0, sm_90a code); this device is " +
+                       (cc ? std::to_string(cc->major) + "." + std::to_string(cc->minor) : std::string("unknown")));
+  return Support::yes();
+}
+
+Support HopperBackend::supports(const ExpertsProblem& p) const {
+  const std::string n(name());
+  if (const auto cc = device_compute_capability(p.hidden_states.device()))
+    if (Support s = blackwell_scale_support(p, *cc, n); !s) return s;
+  if (Support s = quantized_cuda_support(p, n); !s) return s;
+  if (Support s = supports_device(p.hidden_states.device()); !s) return s;
+  const DType dtype = p.hidden_states.dtype();
+  if (dtype != DType::bf16 && dtype != DType::f16)
+    return Support::no(n + " computes in bf16 or f16 on the tensor cores; the activations are " +
+                       std::string(dtype_name(dtype)) + " (use grouped_mm for float32)");
+  if (p.config.is_transposed)
+    return Support::no(n + " reads weights as [experts, out, in] (is_transposed = false); these are transposed");
+  const ExpertsShape s = validate(p);
+  if (s.hidden % 8 != 0 || s.intermediate % 8 != 0)
+    return Support::no(n + "'s tensor copies need rows of a multiple of 16 bytes: hidden size " +
+                       std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +
+                       " must be multiples of 8");
+  for (const Tensor* t : {&p.hidden_states, &p.gate_up_proj, &p.down_proj})
+    if (!aligned16(*t)) return Support::no(n + " needs 16-byte aligned hidden states and weights");
+  return Support::yes();
+}
+
+std::size_t HopperBackend::workspace_bytes(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  return cuda_.workspace_bytes(cuda_args(p));
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+void HopperBackend::forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) {
+#if MOEKIT_HAS_CUDA
+  cuda_.forward(cuda_args(p, &out), workspace, cuda_stream(stream));
+#else
+  (void)p, (void)out, (void)workspace, (void)stream;
+  MOEKIT_FAIL(name(), ": ", kNoCudaReason);
+#endif
+}
+
+}  // namespace moekit::backends

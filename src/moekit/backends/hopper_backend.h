@@ -1,0 +1,27 @@
+// The base of the Hopper backends (deepgemm, sonicmoe): what they run on and which problems they take
+// (compute capability 9.0; bf16/f16; untransposed weights; H and I multiples of 8; 16-byte aligned),
+// answered with the reason, and their CUDA entry points. Their kernels are in src/moekit/cuda/
+// (hopper_experts.cu, hopper_grouped_gemm.cuh).
+#pragma once
+
+#include <string>
+
+#include "moekit/backends/portable_backend.h"
+
+namespace moekit::backends {
+
+class HopperBackend : public ExpertsBackend {
+ public:
+  Support supports_device(Device device) const override;
+  Support supports(const ExpertsProblem& p) const override;
+  std::size_t workspace_bytes(const ExpertsProblem& p) const override;
+  void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override;
+
+ protected:
+  explicit HopperBackend(CudaKernels kernels) : cuda_(kernels) {}
+
+ private:
+  [[maybe_unused]] CudaKernels cuda_;
+};
+
+}  // namespace moekit::backends
