@@ -217,6 +217,18 @@ std::vector<HarnessCase> harness_cases() {
                        sized(300, 520, 392, 8, 4, dtype, nc.config),
                        {}});
 
+  // The same shapes rounded to whole 128 x 128 FP8 blocks (H = 512, I = 384: what deepgemm's FP8 path
+  // takes), with f32 and with ue8m0 scales.
+  for (const auto& w : weight_choices) {
+    if (w.format != WeightFormat::fp8_e4m3) continue;
+    for (const auto& nc : tiled_configs) {
+      RandomProblemOptions o = sized(300, 512, 384, 8, 4, DType::bf16, nc.config);
+      o.config.quantization.weights = w.format;
+      o.scale_dtype = w.scale_dtype;
+      cases.push_back({std::string("tiled_").append(w.name).append("_bf16_").append(nc.name), o, {}});
+    }
+  }
+
   // Fresh random inputs per case.
   for (std::size_t i = 0; i < cases.size(); ++i) cases[i].options.seed = 1000 + i;
   return cases;

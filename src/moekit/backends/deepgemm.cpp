@@ -1,6 +1,6 @@
-// deepgemm: DeepGEMM's contiguous layout on Hopper: token rows copied into per-expert blocks padded
-// to 128, then two TMA + wgmma grouped GEMMs (activation fused into the first) and the weighted
-// combine. CUDA kernels: src/moekit/cuda/hopper_experts.cu.
+// deepgemm: DeepGEMM's contiguous layout on Hopper: token rows copied (FP8: quantised) into
+// per-expert blocks padded to 128, then two TMA + wgmma grouped GEMMs (activation fused into the
+// first) and the weighted combine. CUDA kernels: src/moekit/cuda/hopper_experts.cu.
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/hopper_backend.h"
 
@@ -12,8 +12,12 @@ class DeepGemm final : public HopperBackend {
   DeepGemm() : HopperBackend(MOEKIT_CUDA_KERNELS(deepgemm)) {}
   std::string_view name() const override { return "deepgemm"; }
   std::string_view description() const override {
-    return "TMA + wgmma grouped GEMM for Hopper (sm_90a), rows padded per expert to 128, activation fused";
+    return "TMA + wgmma grouped GEMM for Hopper (sm_90a), rows padded per expert to 128, activation fused; bf16 "
+           "and FP8 block-scaled experts";
   }
+
+ protected:
+  bool runs_fp8() const override { return true; }
 };
 
 }  // namespace

@@ -29,7 +29,8 @@ Support HopperBackend::supports(const ExpertsProblem& p) const {
   const std::string n(name());
   if (const auto cc = device_compute_capability(p.hidden_states.device()))
     if (Support s = blackwell_scale_support(p, *cc, n); !s) return s;
-  if (Support s = quantized_cuda_support(p, n); !s) return s;
+  if (Support s = quantized_cuda_support(p, n, runs_fp8()); !s) return s;
+  if (Support s = activation_scheme_support(p, n); !s) return s;
   if (Support s = supports_device(p.hidden_states.device()); !s) return s;
   const DType dtype = p.hidden_states.dtype();
   if (dtype != DType::bf16 && dtype != DType::f16)
@@ -42,6 +43,10 @@ Support HopperBackend::supports(const ExpertsProblem& p) const {
     return Support::no(n + "'s tensor copies need rows of a multiple of 16 bytes: hidden size " +
                        std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +
                        " must be multiples of 8");
+  if (p.config.quantization.quantized() && (s.hidden % 128 != 0 || s.intermediate % 128 != 0))
+    return Support::no(n + " runs FP8 experts in whole 128 x 128 scale blocks: hidden size " +
+                       std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +
+                       " must be multiples of 128");
   for (const Tensor* t : {&p.hidden_states, &p.gate_up_proj, &p.down_proj})
     if (!aligned16(*t)) return Support::no(n + " needs 16-byte aligned hidden states and weights");
   return Support::yes();

@@ -1,5 +1,6 @@
 // The base of the Hopper backends (deepgemm, sonicmoe): what they run on and which problems they take
-// (compute capability 9.0; bf16/f16; untransposed weights; H and I multiples of 8; 16-byte aligned),
+// (compute capability 9.0; bf16/f16; untransposed weights; H and I multiples of 8, of 128 with FP8
+// weights; 16-byte aligned),
 // answered with the reason, and their CUDA entry points. Their kernels are in src/moekit/cuda/
 // (hopper_experts.cu, hopper_grouped_gemm.cuh).
 #pragma once
@@ -19,6 +20,8 @@ class HopperBackend : public ExpertsBackend {
 
  protected:
   explicit HopperBackend(CudaKernels kernels) : cuda_(kernels) {}
+  // Whether the kernels read FP8 e4m3 weights with 128 x 128 block scales (deepgemm).
+  virtual bool runs_fp8() const { return false; }
 
  private:
   [[maybe_unused]] CudaKernels cuda_;

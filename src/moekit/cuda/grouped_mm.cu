@@ -18,7 +18,7 @@ bool uses_hopper_gemm(const ExpertsArgs& a) {
     const char* v = std::getenv("MOEKIT_HOPPER_GEMM");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  return allowed && hopper_gemm_runs(a);
+  return allowed && !a.fp8 && hopper_gemm_runs(a);
 }
 
 }  // namespace

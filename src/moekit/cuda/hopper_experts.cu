@@ -7,17 +7,25 @@
 //   sonicmoe: the same routing, but no copied rows: the first projection's producer gathers the token
 //             rows straight into shared memory; the second projection's epilogue applies the routing
 //             weight; the combine adds the k rows of each token in order.
+// deepgemm also runs FP8 e4m3 weights with 128 x 128 block scales (f32 or ue8m0) when H and I are
+// multiples of 128: the token rows are quantised per 1 x 128 group while they are placed (the scales
+// stored K-block-major, [H / 128, rows], for the copy engine), the first GEMM writes the activated
+// intermediate in float, a pass quantises it the same way, and the second GEMM reads it in e4m3;
+// the GEMMs take 128-wide weight tiles and apply the scales per 128-deep block.
 // The combine is grouped_mm's (pairs added in k order, in float), so results are deterministic.
 // Both GEMMs run in clusters of two blocks that share (multicast) their weight tiles where both row
 // tiles belong to one expert; MOEKIT_DEEPGEMM_CLUSTER=1 in the environment turns that off (a knob for
 // measuring it, read once).
 // Launches are sized from host-known bounds and the tile counts are read on the device, so a call
 // never waits for the host and can be captured in a CUDA graph.
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
 #include "moekit/cuda/cuda_check.h"
+#include "moekit/cuda/fp8_math.cuh"
 #include "moekit/cuda/grouped_gemm.cuh"
 #include "moekit/cuda/hopper_grouped_gemm.cuh"
 #include "moekit/cuda/tensor_map.h"
@@ -26,11 +34,14 @@ namespace moekit::cuda {
 namespace {
 
 using hopper::Epilogue;
-using hopper::kBlockK;
 using hopper::kBlockM;
 
-constexpr int kTileN = 256;  // weight rows per column block (gated: 128 gate + 128 up)
-constexpr int kStages = 4;   // 4 x 48 KB of the 227 KB a block may hold
+// Weight rows per column block (gated: half gate, half up rows) and pipeline depth: bf16 4 x 48 KB,
+// FP8 (whose second set of accumulators takes the registers of a wider tile) 6 x 33 KB.
+template <bool kFp8>
+constexpr int kTileN = kFp8 ? 128 : 256;
+template <bool kFp8>
+constexpr int kStages = kFp8 ? 6 : 4;
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;
@@ -42,32 +53,65 @@ int64_t max_row_tiles(const ExpertsArgs& a) {
   return (P + kBlockM - 1) / kBlockM + std::min(a.experts, P);
 }
 
+enum class Variant : uint8_t { deepgemm, sonicmoe };
+
 struct Layout {
-  std::size_t pair_row, padded_pair, rows, hidden, y, total;
+  // rows: the placed token rows (deepgemm; e4m3 with FP8), row_scales: their FP8 scales [H / 128, M];
+  // hidden: the intermediate (T, or float with FP8); hidden_q / hidden_scales: its e4m3 copy (FP8).
+  std::size_t pair_row, padded_pair, rows, row_scales, hidden, hidden_q, hidden_scales, y, total;
 };
 
-// deepgemm copies the token rows (rows); sonicmoe gathers them in the GEMM and has none.
-Layout layout(const ExpertsArgs& a, bool copies_rows) {
+Layout layout(const ExpertsArgs& a, Variant v) {
   const auto P = static_cast<std::size_t>(a.tokens * a.top_k);
   const auto M = static_cast<std::size_t>(max_row_tiles(a) * kBlockM);
+  const auto H = static_cast<std::size_t>(a.hidden), I = static_cast<std::size_t>(a.intermediate);
   const std::size_t e = dtype_size(a.dtype);
   Layout l;
   l.pair_row = align256(routing_workspace_bytes(static_cast<int64_t>(P), a.experts));
   l.padded_pair = l.pair_row + align256(P * 4);
   l.rows = l.padded_pair + align256(M * 4);
-  l.hidden = l.rows + (copies_rows ? align256(M * static_cast<std::size_t>(a.hidden) * e) : 0);
-  l.y = l.hidden + align256(M * static_cast<std::size_t>(a.intermediate) * e);
-  l.total = l.y + align256(M * static_cast<std::size_t>(a.hidden) * e);
+  l.row_scales = l.rows + (v == Variant::sonicmoe ? 0 : align256(M * H * (a.fp8 ? 1 : e)));
+  l.hidden = l.row_scales + (a.fp8 ? align256((H / 128) * M * 4) : 0);
+  l.hidden_q = l.hidden + align256(M * I * (a.fp8 ? 4 : e));
+  l.hidden_scales = l.hidden_q + (a.fp8 ? align256(M * I) : 0);
+  l.y = l.hidden_scales + (a.fp8 ? align256((I / 128) * M * 4) : 0);
+  l.total = l.y + align256(M * H * e);
   return l;
 }
 
-// One block per sorted row: records the pair's padded row (and the padded row's pair), and with
-// rows set copies the token's hidden state into its padded row, 16 bytes a thread.
+// One warp quantises one 128-wide group of a row as quantize_activations does: codes into q (128
+// bytes) and the group's scale (what the products multiply by) into *scale.
+template <typename S>
+__device__ __forceinline__ void quantize_group(const S* v, bool power_of_two, uint8_t* q, float* scale, int lane) {
+  float x[4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[i] = to_f(v[lane * 4 + i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const float s = activation_scale(amax, power_of_two);
+  uint32_t codes = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // e4m3_value is the exact nearest code's value, so the conversion below only encodes it.
+    const float r = e4m3_value(__fdiv_rn(x[i], s));
+    codes |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+  }
+  reinterpret_cast<uint32_t*>(q)[lane] = codes;
+  if (lane == 0) *scale = s;
+}
+
+// One block per sorted row: records the pair's padded row (and the padded row's pair). deepgemm also
+// copies the token's hidden state into its padded row (bf16/f16: 16 bytes a thread), or quantises it
+// there (FP8: one warp per 128-wide group, scales K-block-major [H / 128, M]).
 __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row,
-                                  int32_t* padded_pair, uint4* rows) {
+                                  int32_t* padded_pair, void* rows, float* row_scales, int64_t M) {
   const int64_t P = a.tokens * a.top_k;
   const int32_t valid = r.offsets[a.experts];
-  const int64_t vectors = a.hidden / 8;  // 2-byte elements, H a multiple of 8
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t row = blockIdx.x; row < P; row += gridDim.x) {
     const int32_t pair = r.row_pair[row];
     if (row >= valid) {  // a sentinel or invalid id: no row, nothing to add
@@ -81,10 +125,36 @@ __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, in
       padded_pair[padded] = pair;
     }
     if (!rows) continue;
-    const auto* src = static_cast<const uint4*>(a.x) + (pair / a.top_k) * vectors;
-    uint4* dst = rows + padded * vectors;
+    const int64_t token = pair / a.top_k;
+    if (a.fp8) {
+      auto* q = static_cast<uint8_t*>(rows) + padded * a.hidden;
+      for (int64_t g = warp; g < a.hidden / 128; g += blockDim.x / 32) {
+        if (a.dtype == DType::bf16)
+          quantize_group(static_cast<const bf16*>(a.x) + token * a.hidden + g * 128, a.ue8m0_scales, q + g * 128,
+                         row_scales + g * M + padded, lane);
+        else
+          quantize_group(static_cast<const f16*>(a.x) + token * a.hidden + g * 128, a.ue8m0_scales, q + g * 128,
+                         row_scales + g * M + padded, lane);
+      }
+      continue;
+    }
+    const int64_t vectors = a.hidden / 8;  // 2-byte elements, H a multiple of 8
+    const auto* src = static_cast<const uint4*>(a.x) + token * vectors;
+    uint4* dst = static_cast<uint4*>(rows) + padded * vectors;
     for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) dst[v] = __ldg(src + v);
   }
+}
+
+// FP8: the float intermediate [M, I] of the first GEMM quantised per 128-wide group (the rows of
+// tiles that exist; padding rows too, harmlessly), scales [I / 128, M].
+__global__ void quantize_hidden_kernel(const ExpertsArgs a, const int32_t* tile_offsets, const float* hidden,
+                                       uint8_t* q, float* scales, int64_t M) {
+  const int64_t rows = int64_t{tile_offsets[a.experts]} * kBlockM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
+    for (int64_t g = warp; g < a.intermediate / 128; g += blockDim.x / 32)
+      quantize_group(hidden + row * a.intermediate + g * 128, a.ue8m0_scales, q + row * a.intermediate + g * 128,
+                     scales + g * M + row, lane);
 }
 
 bool use_clusters() {
@@ -95,11 +165,12 @@ bool use_clusters() {
   return on;
 }
 
-template <typename T, Epilogue kEpi, int kCluster, bool kGatherA>
-void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const hopper::GemmParams& p, int64_t max_tiles,
-                    cudaStream_t stream) {
-  auto* kernel = hopper::grouped_gemm_kernel<T, kTileN, kEpi, kStages, kCluster, kGatherA>;
-  constexpr std::size_t smem = hopper::gemm_smem_bytes<kTileN, kStages>();
+template <typename T, Epilogue kEpi, int kCluster, bool kGatherA, bool kFp8>
+void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
+                    const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
+  constexpr int BN = kTileN<kFp8>;
+  auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kStages<kFp8>, kCluster, kGatherA, kFp8>;
+  constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kStages<kFp8>, kFp8>();
   static_assert(smem <= 227 * 1024, "the pipeline does not fit in shared memory");
   MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   cudaLaunchConfig_t config{};
@@ -122,139 +193,175 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const ho
   }
   const int64_t units = (max_tiles + kCluster - 1) / kCluster * p.n_blocks;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(units, clusters) * kCluster));
-  MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, p));
+  MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, s_map, p));
 }
 
-template <typename T, Epilogue kEpi, bool kGatherA = false>
-void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const hopper::GemmParams& p, int64_t max_tiles,
-                 cudaStream_t stream) {
+template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
+void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
+                 const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
   if (use_clusters())
-    launch_gemm_on<T, kEpi, 2, kGatherA>(a_map, b_map, p, max_tiles, stream);
+    launch_gemm_on<T, kEpi, 2, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
   else
-    launch_gemm_on<T, kEpi, 1, kGatherA>(a_map, b_map, p, max_tiles, stream);
+    launch_gemm_on<T, kEpi, 1, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
 }
 
 // The B map of a projection's weights, as 4-D {K, rows per part, parts, E} (or {K, parts, rows, E}
 // for interleaved gate/up rows, keeping the strides increasing) with a box of half a weight tile.
-CUtensorMap weight_map(const void* w, DType dtype, int64_t K, int64_t rows, int parts, bool interleaved, int64_t E) {
-  constexpr int box_rows = kTileN / 2;
-  const uint64_t row_bytes = static_cast<uint64_t>(K) * 2;
+CUtensorMap weight_map(const void* w, DType dtype, int64_t K, int64_t rows, int parts, bool interleaved, int64_t E,
+                       int box_rows) {
+  const uint64_t element = dtype_size(dtype);
+  const uint64_t row_bytes = static_cast<uint64_t>(K) * element;
   const uint64_t expert_bytes = row_bytes * static_cast<uint64_t>(rows * parts);
+  const auto box_k = static_cast<uint32_t>(hopper::kRowBytes / element);
   TensorMapShape s;
   s.rank = 4;
   if (interleaved) {
     s.sizes = {static_cast<uint64_t>(K), 2, static_cast<uint64_t>(rows), static_cast<uint64_t>(E), 0};
     s.strides = {row_bytes, 2 * row_bytes, expert_bytes, 0};
-    s.box = {kBlockK, 1, static_cast<uint32_t>(box_rows), 1, 0};
+    s.box = {box_k, 1, static_cast<uint32_t>(box_rows), 1, 0};
   } else {
     s.sizes = {static_cast<uint64_t>(K), static_cast<uint64_t>(rows), static_cast<uint64_t>(parts),
                static_cast<uint64_t>(E), 0};
     s.strides = {row_bytes, row_bytes * static_cast<uint64_t>(rows), expert_bytes, 0};
-    s.box = {kBlockK, static_cast<uint32_t>(box_rows), 1, 1, 0};
+    s.box = {box_k, static_cast<uint32_t>(box_rows), 1, 1, 0};
   }
   return make_tensor_map(w, dtype, s);
 }
 
+// Rows [M, K] in 128-row, 128-byte boxes.
 CUtensorMap rows_map(const void* rows, DType dtype, int64_t K, int64_t M) {
+  const uint64_t element = dtype_size(dtype);
   TensorMapShape s;
   s.rank = 2;
   s.sizes = {static_cast<uint64_t>(K), static_cast<uint64_t>(M), 0, 0, 0};
-  s.strides = {static_cast<uint64_t>(K) * 2, 0, 0, 0};
-  s.box = {kBlockK, kBlockM, 0, 0, 0};
+  s.strides = {static_cast<uint64_t>(K) * element, 0, 0, 0};
+  s.box = {static_cast<uint32_t>(hopper::kRowBytes / element), kBlockM, 0, 0, 0};
   return make_tensor_map(rows, dtype, s);
 }
 
-template <typename T>
-void forward_typed(const ExpertsArgs& a, void* workspace, bool gather_in_gemm, cudaStream_t stream) {
-  const Layout l = layout(a, !gather_in_gemm);
+// FP8 row scales [K / 128, M] in boxes of one tile's 128 rows of one K block.
+CUtensorMap scales_map(const float* scales, int64_t K, int64_t M) {
+  TensorMapShape s;
+  s.rank = 2;
+  s.sizes = {static_cast<uint64_t>(M), static_cast<uint64_t>(K / 128), 0, 0, 0};
+  s.strides = {static_cast<uint64_t>(M) * 4, 0, 0, 0};
+  s.box = {kBlockM, 1, 0, 0, 0};
+  return make_tensor_map(scales, DType::f32, s);
+}
+
+template <typename T, bool kFp8>
+void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stream) {
+  constexpr int BN = kTileN<kFp8>;
+  const bool gather = v == Variant::sonicmoe;
+  const DType operand = kFp8 ? DType::f8_e4m3 : a.dtype;
+  const int64_t stage_k = hopper::kStageK<kFp8>;
+  const Layout l = layout(a, v);
   char* base = static_cast<char*>(workspace);
   DeviceRouting r;
   route_on_device(a, kBlockM, base, r, stream);
   const int64_t P = a.tokens * a.top_k, max_tiles = max_row_tiles(a), M = max_tiles * kBlockM;
   auto* pair_padded_row = reinterpret_cast<int32_t*>(base + l.pair_row);
   auto* padded_pair = reinterpret_cast<int32_t*>(base + l.padded_pair);
-  void* rows = gather_in_gemm ? nullptr : base + l.rows;
+  void* rows = gather ? nullptr : base + l.rows;
+  auto* row_scales = reinterpret_cast<float*>(base + l.row_scales);
   void* hidden = base + l.hidden;
+  auto* hidden_q = reinterpret_cast<uint8_t*>(base + l.hidden_q);
+  auto* hidden_scales = reinterpret_cast<float*>(base + l.hidden_scales);
   void* y = base + l.y;
   if (P > 0) {
     MOEKIT_CUDA_CHECK(cudaMemsetAsync(padded_pair, 0xFF, static_cast<std::size_t>(M) * 4, stream));  // -1: padding
     place_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 128, 0, stream>>>(
-        a, r, pair_padded_row, padded_pair, static_cast<uint4*>(rows));
+        a, r, pair_padded_row, padded_pair, rows, row_scales, M);
     MOEKIT_CUDA_CHECK_LAUNCH();
 
     hopper::GemmParams up;
     up.a = a;
     up.tile_offsets = r.tile_offsets;
     up.padded_pair = padded_pair;
-    up.k_blocks = static_cast<int>((a.hidden + kBlockK - 1) / kBlockK);
+    up.k_blocks = static_cast<int>((a.hidden + stage_k - 1) / stage_k);
     up.outputs = a.intermediate;
     up.out = hidden;
     up.interleaved = a.has_gate && !a.concatenated;
-    // sonicmoe gathers its rows and never reads this map; it still gets a valid one (over the weights).
-    const CUtensorMap up_rows = gather_in_gemm ? rows_map(a.up, a.dtype, a.hidden, 1) : rows_map(rows, a.dtype, a.hidden, M);
+    up.b_scales = a.up_scale;
+    up.b_scale_rows = ((a.has_gate ? 2 : 1) * a.intermediate + 127) / 128;
+    // sonicmoe gathers its rows and never reads the A map; it still gets a valid one (over the weights).
+    const CUtensorMap up_rows = gather ? rows_map(a.up, a.dtype, a.hidden, 1) : rows_map(rows, operand, a.hidden, M);
+    const CUtensorMap up_scales = kFp8 ? scales_map(row_scales, a.hidden, M) : up_rows;
     const int parts = a.has_gate ? 2 : 1;
-    up.n_blocks = static_cast<int>((a.intermediate * parts + kTileN - 1) / kTileN);
-    const CUtensorMap up_w = weight_map(a.up, a.dtype, a.hidden, a.intermediate, parts, up.interleaved, a.experts);
+    up.n_blocks = static_cast<int>((a.intermediate * parts + BN - 1) / BN);
+    const CUtensorMap up_w =
+        weight_map(a.up, operand, a.hidden, a.intermediate, parts, up.interleaved, a.experts, BN / 2);
     auto launch_up = [&]<Epilogue kEpi>() {
-      if (gather_in_gemm)
-        launch_gemm<T, kEpi, true>(up_rows, up_w, up, max_tiles, stream);
-      else
-        launch_gemm<T, kEpi>(up_rows, up_w, up, max_tiles, stream);
+      if constexpr (!kFp8)
+        if (gather) return launch_gemm<T, kEpi, true, false>(up_rows, up_w, up_scales, up, max_tiles, stream);
+      launch_gemm<T, kEpi, false, kFp8>(up_rows, up_w, up_scales, up, max_tiles, stream);
     };
     if (a.has_gate)
       launch_up.template operator()<Epilogue::gated_activation>();
     else
       launch_up.template operator()<Epilogue::activation>();
 
+    const void* down_operand = hidden;
+    if constexpr (kFp8) {
+      quantize_hidden_kernel<<<static_cast<unsigned>(std::min<int64_t>(M, 65535)), 128, 0, stream>>>(
+          a, r.tile_offsets, static_cast<const float*>(hidden), hidden_q, hidden_scales, M);
+      MOEKIT_CUDA_CHECK_LAUNCH();
+      down_operand = hidden_q;
+    }
     hopper::GemmParams down;
     down.a = a;
     down.tile_offsets = r.tile_offsets;
     down.padded_pair = padded_pair;
-    down.weight_rows = gather_in_gemm;  // sonicmoe weights its rows here, deepgemm in the combine
-    down.k_blocks = static_cast<int>((a.intermediate + kBlockK - 1) / kBlockK);
-    down.n_blocks = static_cast<int>((a.hidden + kTileN - 1) / kTileN);
+    down.weight_rows = gather;  // sonicmoe weights its rows here, deepgemm in the combine
+    down.k_blocks = static_cast<int>((a.intermediate + stage_k - 1) / stage_k);
+    down.n_blocks = static_cast<int>((a.hidden + BN - 1) / BN);
     down.outputs = a.hidden;
     down.out = y;
-    const CUtensorMap down_rows = rows_map(hidden, a.dtype, a.intermediate, M);
-    const CUtensorMap down_w = weight_map(a.down, a.dtype, a.intermediate, a.hidden, 1, false, a.experts);
-    launch_gemm<T, Epilogue::store_rows>(down_rows, down_w, down, max_tiles, stream);
+    down.b_scales = a.down_scale;
+    down.b_scale_rows = (a.hidden + 127) / 128;
+    const CUtensorMap down_rows = rows_map(down_operand, operand, a.intermediate, M);
+    const CUtensorMap down_scales = kFp8 ? scales_map(hidden_scales, a.intermediate, M) : down_rows;
+    const CUtensorMap down_w = weight_map(a.down, operand, a.intermediate, a.hidden, 1, false, a.experts, BN / 2);
+    launch_gemm<T, Epilogue::store_rows, false, kFp8>(down_rows, down_w, down_scales, down, max_tiles, stream);
   }
-  launch_combine_rows(a, pair_padded_row, y, false, /*weighted=*/!gather_in_gemm, stream);
+  launch_combine_rows(a, pair_padded_row, y, false, /*weighted=*/!gather, stream);
 }
 
-void forward(const ExpertsArgs& a, void* workspace, bool gather_in_gemm, cudaStream_t stream) {
-  const char* name = gather_in_gemm ? "sonicmoe" : "deepgemm";
+void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stream) {
+  const char* name = v == Variant::sonicmoe ? "sonicmoe" : "deepgemm";
   MOEKIT_CHECK(a.dtype == DType::bf16 || a.dtype == DType::f16, name, ": activations must be bf16 or f16, not ",
                dtype_name(a.dtype));
-  MOEKIT_CHECK(hopper_gemm_runs(a), name, ": problem outside the supported set (checked by the backend's supports())");
+  MOEKIT_CHECK(hopper_gemm_runs(a) && !(a.fp8 && v == Variant::sonicmoe), name,
+               ": problem outside the supported set (checked by the backend's supports())");
   if (a.dtype == DType::bf16)
-    forward_typed<bf16>(a, workspace, gather_in_gemm, stream);
+    a.fp8 ? forward_typed<bf16, true>(a, workspace, v, stream) : forward_typed<bf16, false>(a, workspace, v, stream);
   else
-    forward_typed<f16>(a, workspace, gather_in_gemm, stream);
+    a.fp8 ? forward_typed<f16, true>(a, workspace, v, stream) : forward_typed<f16, false>(a, workspace, v, stream);
 }
 
 }  // namespace
 
 bool hopper_gemm_runs(const ExpertsArgs& a) {
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
-  return (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && !a.fp8 && a.hidden % 8 == 0 &&
-         a.intermediate % 8 == 0 && aligned(a.x) && aligned(a.up) && aligned(a.down) && device_is_sm90();
+  const int64_t granule = a.fp8 ? 128 : 8;  // FP8: whole scale blocks; otherwise 16-byte rows
+  return (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && a.hidden % granule == 0 &&
+         a.intermediate % granule == 0 && aligned(a.x) && aligned(a.up) && aligned(a.down) && device_is_sm90();
 }
 
 std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a) {
-  return layout(a, true).total;
+  return layout(a, Variant::deepgemm).total;
 }
 
 void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
-  forward(a, workspace, false, stream);
+  forward(a, workspace, Variant::deepgemm, stream);
 }
 
 std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a) {
-  return layout(a, false).total;
+  return layout(a, Variant::sonicmoe).total;
 }
 
 void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
-  forward(a, workspace, true, stream);
+  forward(a, workspace, Variant::sonicmoe, stream);
 }
 
 }  // namespace moekit::cuda

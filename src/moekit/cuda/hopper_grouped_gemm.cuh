@@ -28,9 +28,11 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
+#include <type_traits>
 #include <utility>
 
 #include "moekit/cuda/device_math.cuh"
+#include "moekit/cuda/fp8_math.cuh"
 #include "moekit/cuda/routing.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -42,7 +44,10 @@
 namespace moekit::cuda::hopper {
 
 constexpr int kBlockM = 128;     // rows per tile: the contiguous layout's padding unit
-constexpr int kBlockK = 64;      // 64 two-byte elements: one 128-byte swizzle row
+constexpr int kRowBytes = 128;   // one 128-byte swizzle row of K per stage: 64 bf16/f16 or 128 e4m3
+// Elements of K per stage; for FP8 also the block of the weight and activation scales.
+template <bool kFp8>
+constexpr int kStageK = kFp8 ? 128 : 64;
 constexpr int kMathGroups = 2;   // math warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kMathGroups);
 
@@ -62,7 +67,7 @@ struct GemmParams {
   ExpertsArgs a;                          // sizes, activation, biases
   const int32_t* tile_offsets = nullptr;  // [E + 1]: 128-row tiles of each expert
   int n_blocks = 0;                       // column blocks of the output
-  int k_blocks = 0;                       // ceil(K / 64)
+  int k_blocks = 0;                       // ceil(K / kStageK)
   bool interleaved = false;               // B map coordinates (k, part, n, e) instead of (k, n, part, e)
   int64_t outputs = 0;                    // valid output columns (I for the first projection, H for the second)
   void* out = nullptr;                    // [rows, outputs] in T
@@ -70,12 +75,21 @@ struct GemmParams {
   // and, when weight_rows, by the store_rows epilogue.
   const int32_t* padded_pair = nullptr;
   bool weight_rows = false;
+  // FP8: the weights' block scales [E, b_scale_rows, k_blocks] (f32, or ue8m0 with a.ue8m0_scales).
+  const void* b_scales = nullptr;
+  int64_t b_scale_rows = 0;
 };
 
-template <int BN, int kStages>
+// One stage: the A tile, the B tile and (FP8) the A tile's 128 row scales, rounded up to the 1 KB
+// alignment of the 128-byte swizzle.
+template <int BN, bool kFp8>
+constexpr int stage_bytes() {
+  return ((kBlockM + BN) * kRowBytes + (kFp8 ? kBlockM * 4 : 0) + 1023) / 1024 * 1024;
+}
+template <int BN, int kStages, bool kFp8>
 constexpr std::size_t gemm_smem_bytes() {
   // Stages, 1 KB for aligning them to the swizzle atom, and the full/empty barriers.
-  return static_cast<std::size_t>(kStages) * (kBlockM + BN) * kBlockK * 2 + 1024 + 2 * kStages * 8;
+  return static_cast<std::size_t>(kStages) * stage_bytes<BN, kFp8>() + 1024 + 2 * kStages * 8;
 }
 
 template <typename T, int N>
@@ -95,6 +109,10 @@ struct WgmmaOp<bf16, 128> {
 template <>
 struct WgmmaOp<f16, 128> {
   using type = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct WgmmaOp<f8_e4m3, 128> {
+  using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 };
 
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes,
@@ -123,15 +141,24 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // one of the epilogue's unrolled steps makes the kernel spill its accumulators.
 // The activation's settings travel by value: a reference into the kernel's parameters would make the
 // compiler copy them all to the stack.
-template <typename T>
-__device__ __noinline__ uint32_t activated_pair(Act act, bool has_gate, float limit, float alpha, float g0, float u0,
-                                                float g1, float u1) {
+__device__ __noinline__ float2 activated_pair(Act act, bool has_gate, float limit, float alpha, float g0, float u0,
+                                              float g1, float u1) {
   ExpertsArgs a;
   a.act = act;
   a.has_gate = has_gate;
   a.swiglu_limit = limit;
   a.swiglu_alpha = alpha;
-  return pack2<T>(activate(a, g0, u0), activate(a, g1, u1));
+  return make_float2(activate(a, g0, u0), activate(a, g1, u1));
+}
+
+// Two adjacent outputs: float (FP8's first projection, quantised afterwards as the reference does from
+// float) or packed into T.
+template <typename O>
+__device__ __forceinline__ void store_pair(O* p, float2 v) {
+  if constexpr (std::is_same_v<O, float>)
+    *reinterpret_cast<float2*>(p) = v;
+  else
+    *reinterpret_cast<uint32_t*>(p) = pack2<O>(v.x, v.y);
 }
 
 // Accumulator element i of a 64 x N wgmma tile held by lane `lane` of warp `warp` (of 4): row and column.
@@ -142,7 +169,7 @@ __device__ __forceinline__ int acc_col(int lane, int i) {
   return (i / 4) * 8 + (lane % 4) * 2 + (i & 1);
 }
 
-template <typename T, int BN, Epilogue kEpi>
+template <typename T, typename O, int BN, Epilogue kEpi>
 __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, int64_t expert, int64_t m_tile,
                                                int n_block, int math) {
   const ExpertsArgs& a = p.a;
@@ -162,8 +189,8 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
         u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
       }
       const int64_t row = row_base + acc_row(warp, lane, i);
-      *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) =
-          activated_pair<T>(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
+      store_pair(static_cast<O*>(p.out) + row * p.outputs + j,
+                 activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1));
     }
   } else {
     const int64_t N = kEpi == Epilogue::activation ? a.intermediate : a.hidden;
@@ -187,11 +214,11 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
       if (bias) v0 += to_f(bias[j]), v1 += to_f(bias[j + 1]);
       const int64_t row = row_base + acc_row(warp, lane, i);
       if constexpr (kEpi == Epilogue::activation) {
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) =
-            activated_pair<T>(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
+        store_pair(static_cast<O*>(p.out) + row * p.outputs + j,
+                   activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f));
       } else {
         const float w = weight[(i >> 1) & 1];
-        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * p.outputs + j) = pack2<T>(v0 * w, v1 * w);
+        store_pair(static_cast<O*>(p.out) + row * p.outputs + j, make_float2(v0 * w, v1 * w));
       }
     }
   }
@@ -202,17 +229,26 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
 // multicasts it into both blocks' stages, halving the weight traffic from L2; otherwise each loads its
 // own. Each block's "empty" barriers then count the math warpgroups of both blocks, since a stage is
 // written by the peer too, which keeps the pair in lockstep.
-template <typename T, int BN, Epilogue kEpi, int kStages, int kCluster, bool kGatherA>
+// kFp8: A and B are e4m3 bytes with 1 x 128 (A, per row) and 128 x 128 (B) block scales. Each stage is
+// one 128-deep scale block: its products go to a second set of accumulators, which the math warpgroups
+// then add to the tile's accumulators times the A row's and the B block's scale. The copy engine
+// brings the A tile's row scales (s_map, [K / 128, rows] float) into the stage with the operands.
+template <typename T, int BN, Epilogue kEpi, int kStages, int kCluster, bool kGatherA, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                        const GemmParams p) {
+                        const __grid_constant__ CUtensorMap s_map, const GemmParams p) {
 #if MOEKIT_SM90A_DEVICE
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   static_assert(kCluster == 1 || kCluster == 2);
+  static_assert(!(kGatherA && kFp8), "the gathering producer copies 2-byte rows");
+  using In = std::conditional_t<kFp8, f8_e4m3, T>;  // operand type
+  using Out = std::conditional_t<kFp8 && kEpi != Epilogue::store_rows, float, T>;
   constexpr int kHalfRows = BN / 2;  // the weight tile is copied as two halves (gated: gate rows, up rows)
-  constexpr int kABytes = kBlockM * kBlockK * 2, kHalfBytes = kHalfRows * kBlockK * 2;
-  constexpr int kStageBytes = kABytes + 2 * kHalfBytes;
+  constexpr int kABytes = kBlockM * kRowBytes, kHalfBytes = kHalfRows * kRowBytes;
+  constexpr int kStageBytes = stage_bytes<BN, kFp8>();
+  constexpr int kScaleOffset = kABytes + 2 * kHalfBytes;  // FP8: the A row scales of the stage
+  constexpr int kK = kStageK<kFp8>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -263,6 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kGatherA || threadIdx.x == 0) {
       if (threadIdx.x == 0) {
         if constexpr (!kGatherA) cute::prefetch_tma_descriptor(&a_map);
+        if constexpr (kFp8) cute::prefetch_tma_descriptor(&s_map);
         cute::prefetch_tma_descriptor(&b_map);
       }
       constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
@@ -284,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           Barrier::wait(&empty[stage], phase ^ 1);
           uint8_t* sa = smem + stage * kStageBytes;
           uint8_t* sb = sa + kABytes;
-          const int k = kb * kBlockK;
+          const int k = kb * kK;
           if constexpr (kGatherA) {
             const int64_t col = k + chunk * 8;
             const T* x = static_cast<const T*>(p.a.x);
@@ -302,8 +339,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             TxBarrier::arrive_and_expect_tx(&full[stage], 2 * kHalfBytes);
           } else {
-            TxBarrier::arrive_and_expect_tx(&full[stage], kStageBytes);
+            TxBarrier::arrive_and_expect_tx(&full[stage], kABytes + 2 * kHalfBytes + (kFp8 ? kBlockM * 4 : 0));
             cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.m_tile * kBlockM));
+            if constexpr (kFp8)
+              cute::SM90_TMA_LOAD_2D::copy(&s_map, &full[stage], kHint, sa + kScaleOffset,
+                                           static_cast<int>(t.m_tile * kBlockM), kb);
           }
           // Half h of the weight tile: gated, the gate (h = 0) or up (h = 1) rows of the block's columns;
           // otherwise rows h * 128 onwards of its 256.
@@ -329,9 +369,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
-    using Op = typename WgmmaOp<T, BN>::type;
+    using Op = typename WgmmaOp<In, BN>::type;
     const int math = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     float acc[BN / 2];
+    float part[kFp8 ? BN / 2 : 1];  // FP8: one scale block's products
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     int stage = 0;
@@ -348,39 +390,76 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     for (int64_t unit = first_unit; unit < units; unit += unit_step) {
       const Tile t = tile_of(unit);
+      // FP8: where the block scales of the tile's two weight halves start (their 128-row blocks).
+      const void* scale_base[2] = {nullptr, nullptr};
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int64_t first;  // the half's first weight row
+          if (kEpi == Epilogue::gated_activation)
+            first = p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows : h * p.a.intermediate + int64_t{t.n_block} * kHalfRows;
+          else
+            first = int64_t{t.n_block} * BN + h * kHalfRows;
+          const int64_t index = (t.expert * p.b_scale_rows + first / 128) * p.k_blocks;
+          scale_base[h] = p.a.ue8m0_scales ? static_cast<const void*>(static_cast<const uint8_t*>(p.b_scales) + index)
+                                           : static_cast<const void*>(static_cast<const float*>(p.b_scales) + index);
+        }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+      }
       int previous = -1;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
+        float b_scale[2] = {1.0f, 1.0f};
+        if constexpr (kFp8) {  // read before the wait, so the loads overlap it
+          b_scale[0] = block_scale_at(p.a, scale_base[0], kb);
+          b_scale[1] = block_scale_at(p.a, scale_base[1], kb);
+        }
         Barrier::wait(&full[stage], phase);
         // Rows gathered by cp.async were written through the generic proxy; wgmma reads through the async one.
         if constexpr (kGatherA) cutlass::arch::fence_view_async_shared();
-        const uint8_t* sa = smem + stage * kStageBytes + math * 64 * kBlockK * 2;
+        const uint8_t* sa = smem + stage * kStageBytes + math * 64 * kRowBytes;
         const uint8_t* sb = smem + stage * kStageBytes + kABytes;
+        float* target = kFp8 ? part : acc;
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(target[i]);
         cute::warpgroup_arrive();
 #pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk)
-          wgmma<Op>(smem_descriptor(sa + kk * 32), smem_descriptor(sb + kk * 32), acc, kb > 0 || kk > 0,
-                    std::make_index_sequence<BN / 2>{});
+        for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes of K per wgmma: k16 (2-byte) or k32 (e4m3)
+          wgmma<Op>(smem_descriptor(sa + kk * 32), smem_descriptor(sb + kk * 32), target,
+                    kFp8 ? kk > 0 : (kb > 0 || kk > 0), std::make_index_sequence<BN / 2>{});
         cute::warpgroup_commit_batch();
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-        // One batch stays in flight: wait for the previous k block's products, then free its stage.
-        cute::warpgroup_wait<1>();
-        if (previous >= 0) release(previous);
-        previous = stage;
+        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(target[i]);
+        if constexpr (kFp8) {
+          // The block's products are needed now: wait for them, take the two rows' scales, free the stage.
+          cute::warpgroup_wait<0>();
+          const float* row_scales = reinterpret_cast<const float*>(smem + stage * kStageBytes + kScaleOffset);
+          const float a_scale[2] = {row_scales[math * 64 + acc_row(warp, lane, 0)],
+                                    row_scales[math * 64 + acc_row(warp, lane, 2)]};
+          release(stage);
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i)
+            acc[i] = fmaf(part[i], a_scale[(i >> 1) & 1] * b_scale[i < BN / 4 ? 0 : 1], acc[i]);
+        } else {
+          // One batch stays in flight: wait for the previous k block's products, then free its stage.
+          cute::warpgroup_wait<1>();
+          if (previous >= 0) release(previous);
+          previous = stage;
+        }
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
-      cute::warpgroup_wait<0>();
+      if constexpr (!kFp8) {
+        cute::warpgroup_wait<0>();
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      if (previous >= 0) release(previous);
-      if (t.valid) store_epilogue<T, BN, kEpi>(p, acc, t.expert, t.m_tile, t.n_block, math);
+        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+        if (previous >= 0) release(previous);
+      }
+      if (t.valid) store_epilogue<T, Out, BN, kEpi>(p, acc, t.expert, t.m_tile, t.n_block, math);
     }
   }
   if constexpr (kCluster > 1) cute::cluster_sync();  // no block leaves while its peer may still signal it
 #else
-  (void)a_map, (void)b_map, (void)p;
+  (void)a_map, (void)b_map, (void)s_map, (void)p;
   __trap();  // launched only on compute capability 9.0, where the sm_90a code exists
 #endif
 }

@@ -28,11 +28,30 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
 }  // namespace
 
 CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape& s) {
-  MOEKIT_CHECK(dtype == DType::bf16 || dtype == DType::f16, "tensor map: only bf16 and f16 are supported, not ",
-               dtype_name(dtype));
+  CUtensorMapDataType type{};
+  switch (dtype) {
+    case DType::bf16:
+      type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+      break;
+    case DType::f16:
+      type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+      break;
+    case DType::f8_e4m3:
+      type = CU_TENSOR_MAP_DATA_TYPE_UINT8;  // the copy engine moves bytes; wgmma reads them as e4m3
+      break;
+    case DType::f32:
+      type = CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+      break;
+    default:
+      MOEKIT_FAIL("tensor map: bf16, f16, f8_e4m3 or f32 elements only, not ", dtype_name(dtype));
+  }
+  const bool swizzled = dtype != DType::f32;
+  const uint64_t element = dtype_size(dtype);
   MOEKIT_CHECK(s.rank >= 1 && s.rank <= 5, "tensor map: rank ", s.rank, " is outside 1..5");
   MOEKIT_CHECK((reinterpret_cast<uintptr_t>(base) & 15u) == 0, "tensor map: base address not 16-byte aligned");
-  MOEKIT_CHECK(s.box[0] * 2 <= 128, "tensor map: inner box of ", s.box[0], " elements exceeds the 128-byte swizzle");
+  MOEKIT_CHECK(!swizzled || s.box[0] * element <= 128, "tensor map: inner box of ", s.box[0],
+               " elements exceeds the 128-byte swizzle");
+  MOEKIT_CHECK(s.box[0] * element % 16 == 0, "tensor map: inner box of ", s.box[0], " elements is not a multiple of 16 bytes");
   for (int d = 0; d < s.rank; ++d) {
     MOEKIT_CHECK(s.sizes[d] >= 1 && s.box[d] >= 1 && s.box[d] <= 256, "tensor map: dimension ", d, " size ",
                  s.sizes[d], " box ", s.box[d]);
@@ -43,9 +62,9 @@ CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape&
   std::array<cuuint32_t, 5> element_strides{1, 1, 1, 1, 1};
   CUtensorMap map{};
   const CUresult r = encoder()(
-      &map, dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      static_cast<cuuint32_t>(s.rank), const_cast<void*>(base), s.sizes.data(), s.strides.data(), s.box.data(),
-      element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      &map, type, static_cast<cuuint32_t>(s.rank), const_cast<void*>(base), s.sizes.data(), s.strides.data(),
+      s.box.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
+      swizzled ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error ", static_cast<int>(r), ") for a rank ",
                s.rank, " map with inner size ", s.sizes[0]);

@@ -22,8 +22,9 @@ struct TensorMapShape {
   std::array<uint32_t, 5> box{};
 };
 
-// Encodes the map for 2-byte elements (bf16 or f16) with the 128-byte swizzle; reads past the edges
-// of the tensor fill the box with zeros. Throws naming the violated constraint.
+// Encodes the map for bf16, f16 or f8_e4m3 elements with the 128-byte swizzle (the box's inner extent
+// at most 128 bytes), or for f32 without swizzle (scales); reads past the edges of the tensor fill the
+// box with zeros. Throws naming the violated constraint.
 CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape& shape);
 
 // Multiprocessors of the current device (cached per device).

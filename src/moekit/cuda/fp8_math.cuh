@@ -1,0 +1,42 @@
+// Device-side FP8 arithmetic shared by the FP8 kernels: the e4m3 rounding and the activation scale of
+// quantize_activations (quantization.h), bit for bit, and the weights' block scales.
+#pragma once
+
+#include <cfloat>
+
+#include "moekit/cuda/device_math.cuh"
+
+namespace moekit::cuda {
+
+// round_to_e4m3 of quantization.cpp: the value of the nearest e4m3 code (ties to even), saturating at
+// 448, NaN kept.
+__device__ __forceinline__ float e4m3_value(float v) {
+  const float a = fabsf(v);
+  uint32_t bits = __float_as_uint(a);
+  bits = (bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u;
+  const float normal = __uint_as_float(bits);
+  const float subnormal = __fsub_rn(__fadd_rn(a, 16384.0f), 16384.0f);
+  float r = a < 0x1p-6f ? subnormal : normal;
+  r = r > 448.0f ? 448.0f : r;
+  r = a != a ? a : r;
+  return copysignf(r, v);
+}
+
+// The scale of a group whose largest magnitude is amax (block_scale of quantization.cpp).
+__device__ __forceinline__ float activation_scale(float amax, bool power_of_two) {
+  if (amax == 0.0f) return 1.0f;
+  const float scale = fmaxf(__fdiv_rn(amax, 448.0f), FLT_MIN);
+  if (!power_of_two) return scale;
+  const uint32_t bits = __float_as_uint(scale), exponent = bits >> 23;
+  const uint32_t code = min((bits & 0x7fffffu) != 0 ? exponent + 1 : exponent, 0xfeu);  // ue8m0_ceil
+  return __uint_as_float(code << 23);
+}
+
+__device__ __forceinline__ float block_scale_at(const ExpertsArgs& a, const void* scales, int64_t index) {
+  if (!a.ue8m0_scales) return static_cast<const float*>(scales)[index];
+  const uint32_t code = static_cast<const uint8_t*>(scales)[index];
+  if (code == 0xffu) return __int_as_float(0x7fc00000);
+  return code == 0 ? 0x1p-127f : __uint_as_float(code << 23);
+}
+
+}  // namespace moekit::cuda
