@@ -42,7 +42,7 @@ class BatchedMm final : public PortableBackend {
   }
 
  protected:
-  bool cuda_reads_fp8() const override { return true; }
+  bool cuda_reads_fp8(const ExpertsProblem&) const override { return true; }
 
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     const ExpertsShape s = validate(p);

@@ -76,7 +76,7 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
 
 Support PortableBackend::supports(const ExpertsProblem& p) const {
   // Quantisation first: the CUDA refusal is a fact of this version of moekit, true on any machine.
-  if (Support s = quantized_cuda_support(p, name(), cuda_reads_fp8()); !s) return s;
+  if (Support s = quantized_cuda_support(p, name(), cuda_reads_fp8(p)); !s) return s;
   if (Support s = activation_scheme_support(p, name()); !s) return s;
   return supports_device(p.hidden_states.device());
 }

@@ -51,8 +51,9 @@ class PortableBackend : public ExpertsBackend {
 #else
   explicit PortableBackend(CudaKernels) {}
 #endif
-  // Whether this backend's CUDA kernels read FP8 e4m3 weights (batched_mm); the others refuse them.
-  virtual bool cuda_reads_fp8() const { return false; }
+  // Whether this backend's CUDA kernels read this problem's FP8 e4m3 weights (batched_mm always,
+  // grouped_mm through the Hopper kernels); otherwise the problem is refused.
+  virtual bool cuda_reads_fp8(const ExpertsProblem&) const { return false; }
   virtual std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const = 0;
   virtual void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) = 0;
 

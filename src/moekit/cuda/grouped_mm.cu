@@ -1,12 +1,14 @@
 // grouped_mm on CUDA: route on the device, one grouped product per projection, a deterministic
 // combine. Every launch is sized from host-known bounds, so the call never synchronises with the
 // host and can be captured in a CUDA graph. On Hopper (compute capability 9.0) the problems deepgemm's
-// TMA + wgmma kernels take run through them (same routing and combine, rows padded per expert);
+// TMA + wgmma kernels take run through them (same routing and combine, rows padded per expert), FP8
+// weights included (H and I multiples of 128; elsewhere grouped_mm refuses FP8 on CUDA);
 // MOEKIT_HOPPER_GEMM=0 in the environment keeps the portable kernels (read once; for comparing them).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
+#include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/grouped_gemm.cuh"
 
 namespace moekit::cuda {
@@ -18,7 +20,7 @@ bool uses_hopper_gemm(const ExpertsArgs& a) {
     const char* v = std::getenv("MOEKIT_HOPPER_GEMM");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  return allowed && !a.fp8 && hopper_gemm_runs(a);
+  return allowed && hopper_gemm_runs(a);
 }
 
 }  // namespace
@@ -29,6 +31,8 @@ std::size_t grouped_mm_workspace_bytes(const ExpertsArgs& a) {
 
 void grouped_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   if (uses_hopper_gemm(a)) return deepgemm_forward(a, workspace, stream);
+  MOEKIT_CHECK(!a.fp8, "grouped_mm runs FP8 weights on CUDA only through the Hopper kernels (compute capability 9.0, "
+                       "H and I multiples of 128), which MOEKIT_HOPPER_GEMM=0 turns off");
   GroupedProblem g = grouped_buffers(a, workspace);
   route_on_device(a, kTileRows, static_cast<char*>(workspace) + kRoutingOffset, g.r, stream);
   const int64_t P = a.tokens * a.top_k;

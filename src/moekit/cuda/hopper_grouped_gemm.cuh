@@ -169,31 +169,75 @@ __device__ __forceinline__ int acc_col(int lane, int i) {
   return (i / 4) * 8 + (lane % 4) * 2 + (i & 1);
 }
 
+// Picks x[k] of four values with a run-time k without indexing a register array (which would move it
+// to local memory).
+__device__ __forceinline__ uint32_t select4(const uint32_t (&x)[4], int k) {
+  return k == 0 ? x[0] : k == 1 ? x[1] : k == 2 ? x[2] : x[3];
+}
+
+// Stores two column groups of a tile with 16-byte stores. words[k] holds the two outputs of
+// accumulator elements 8m + 2k and 8m + 2k + 1: group 2m (k = 0, 1) and 2m + 1 (k = 2, 3), rows r
+// (k even) and r + 8 (k odd), columns 8 * group + 2 * (lane % 4) + {0, 1}. The four lanes of a quad
+// swap words so that each lane owns 8 consecutive outputs of one row: a warp's store then writes
+// whole 32-byte sectors instead of 4 bytes per lane.
+template <typename O>
+__device__ __forceinline__ void store_group_pair(O* out, int64_t ld, int64_t row_base, int64_t col_base,
+                                                 int64_t outputs, int m, const uint32_t (&words)[4], int warp,
+                                                 int lane) {
+  const int q = lane % 4, quad = lane & ~3;
+  // Lane q ends up with (row r, group 2m), (r, 2m + 1), (r + 8, 2m), (r + 8, 2m + 1) for q = 0..3:
+  // wanted[q] is what every lane sends to lane q.
+  const uint32_t wanted[4] = {words[0], words[2], words[1], words[3]};
+  uint32_t mine[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int source = (q + r) % 4;  // this round, lane q reads lane `source`, which sends what q wants
+    const uint32_t got = __shfl_sync(0xffffffffu, select4(wanted, (q - r + 4) % 4), quad + source);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) mine[w] = w == source ? got : mine[w];
+  }
+  const int64_t row = row_base + warp * 16 + lane / 4 + (q >> 1) * 8;
+  const int64_t col = col_base + (2 * m + (q & 1)) * 8;
+  if (col < outputs)  // outputs is a multiple of 8
+    *reinterpret_cast<uint4*>(out + row * ld + col) = make_uint4(mine[0], mine[1], mine[2], mine[3]);
+}
+
 template <typename T, typename O, int BN, Epilogue kEpi>
 __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, int64_t expert, int64_t m_tile,
                                                int n_block, int math) {
   const ExpertsArgs& a = p.a;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int64_t row_base = m_tile * kBlockM + math * 64;
+  constexpr bool kPacked = !std::is_same_v<O, float>;  // 2-byte outputs go through store_group_pair
   if constexpr (kEpi == Epilogue::gated_activation) {
     constexpr int kHalf = BN / 4;  // accumulator index of the up column paired with a gate column
     const int64_t N = 2 * a.intermediate;
+    const int64_t col_base = int64_t{n_block} * (BN / 2);
     const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * N : nullptr;
 #pragma unroll
-    for (int i = 0; i < kHalf; i += 2) {
-      const int64_t j = int64_t{n_block} * (BN / 2) + acc_col(lane, i);
-      if (j >= p.outputs) continue;  // outputs is a multiple of 8, so j + 1 is inside too
-      float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + kHalf], u1 = acc[i + 1 + kHalf];
-      if (bias) {
-        g0 += to_f(bias[gate_col(a, j)]), g1 += to_f(bias[gate_col(a, j + 1)]);
-        u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
+    for (int m = 0; m < kHalf / 8; ++m) {
+      uint32_t words[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = 8 * m + 2 * k;
+        const int64_t j = col_base + acc_col(lane, i);
+        float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + kHalf], u1 = acc[i + 1 + kHalf];
+        if (bias && j < p.outputs) {  // outputs is a multiple of 8, so j + 1 is inside too
+          g0 += to_f(bias[gate_col(a, j)]), g1 += to_f(bias[gate_col(a, j + 1)]);
+          u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
+        }
+        const float2 h = activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
+        if constexpr (kPacked)
+          words[k] = pack2<O>(h.x, h.y);
+        else if (j < p.outputs)
+          store_pair(static_cast<O*>(p.out) + (row_base + acc_row(warp, lane, i)) * p.outputs + j, h);
       }
-      const int64_t row = row_base + acc_row(warp, lane, i);
-      store_pair(static_cast<O*>(p.out) + row * p.outputs + j,
-                 activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1));
+      if constexpr (kPacked)
+        store_group_pair(static_cast<O*>(p.out), p.outputs, row_base, col_base, p.outputs, m, words, warp, lane);
     }
   } else {
     const int64_t N = kEpi == Epilogue::activation ? a.intermediate : a.hidden;
+    const int64_t col_base = int64_t{n_block} * BN;
     // The routing weights of this thread's two rows (store_rows with weight_rows only).
     float weight[2] = {1.0f, 1.0f};
     if (kEpi == Epilogue::store_rows && p.weight_rows) {
@@ -207,19 +251,28 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias) + expert * N;
     if (kEpi == Epilogue::store_rows && a.down_bias) bias = static_cast<const T*>(a.down_bias) + expert * N;
 #pragma unroll
-    for (int i = 0; i < BN / 2; i += 2) {
-      const int64_t j = int64_t{n_block} * BN + acc_col(lane, i);
-      if (j >= p.outputs) continue;
-      float v0 = acc[i], v1 = acc[i + 1];
-      if (bias) v0 += to_f(bias[j]), v1 += to_f(bias[j + 1]);
-      const int64_t row = row_base + acc_row(warp, lane, i);
-      if constexpr (kEpi == Epilogue::activation) {
-        store_pair(static_cast<O*>(p.out) + row * p.outputs + j,
-                   activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f));
-      } else {
-        const float w = weight[(i >> 1) & 1];
-        store_pair(static_cast<O*>(p.out) + row * p.outputs + j, make_float2(v0 * w, v1 * w));
+    for (int m = 0; m < BN / 16; ++m) {
+      uint32_t words[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int i = 8 * m + 2 * k;
+        const int64_t j = col_base + acc_col(lane, i);
+        float v0 = acc[i], v1 = acc[i + 1];
+        if (bias && j < p.outputs) v0 += to_f(bias[j]), v1 += to_f(bias[j + 1]);
+        float2 v;
+        if constexpr (kEpi == Epilogue::activation) {
+          v = activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
+        } else {
+          const float w = weight[k & 1];
+          v = make_float2(v0 * w, v1 * w);
+        }
+        if constexpr (kPacked)
+          words[k] = pack2<O>(v.x, v.y);
+        else if (j < p.outputs)
+          store_pair(static_cast<O*>(p.out) + (row_base + acc_row(warp, lane, i)) * p.outputs + j, v);
       }
+      if constexpr (kPacked)
+        store_group_pair(static_cast<O*>(p.out), p.outputs, row_base, col_base, p.outputs, m, words, warp, lane);
     }
   }
 }
