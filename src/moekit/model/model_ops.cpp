@@ -371,6 +371,7 @@ void write_rows(Tensor& dst, int64_t row, const Tensor& src, const int32_t* row_
     cuda::copy_columns(src.data(), 1, n, 0, n, dst.data(), dst.numel(), row * dst.size(1), dst.dtype(), cuda_stream());
     return;
 #else
+    (void)row_device;
     no_cuda("write_rows");
 #endif
   }
@@ -493,6 +494,7 @@ void apply_rotary(Tensor& x, int64_t heads, int64_t head_stride, int64_t offset,
                          cuda_stream());
     return;
 #else
+    (void)positions_begin_device;
     no_cuda("apply_rotary");
 #endif
   }
