@@ -178,8 +178,9 @@ struct CausalLM::Impl {
   int64_t cache_capacity = 0;  // GPU: positions the cache buffers hold
   std::vector<std::string> last_step_backends;
   bool dequantize_experts = false;  // quantised experts turned into dtype at load
-  // GPU: the stream all of the model's work is queued on (ordered with the default stream, where tensors
-  // are allocated and freed), the inputs of one-token steps in device memory, the captured decode step,
+  // GPU: the stream the decode step is captured and replayed on (ordered with the legacy default stream,
+  // where tensors are allocated and freed and steps are otherwise launched, so no synchronisation is
+  // needed between the two), the inputs of one-token steps in device memory, the captured decode step,
   // and the last decode backends whose step could not be captured, with the reason.
   std::unique_ptr<DeviceStream> stream;
   Tensor decode_state;              // int32 [2]: the step's first position, then its token
@@ -399,9 +400,6 @@ struct CausalLM::Impl {
     cache_capacity = capacity;
   }
 
-  // Where the model's work goes for the life of the returned scope: its own stream on a GPU.
-  ops::StreamScope on_model_stream() const { return ops::StreamScope(stream ? stream->stream() : Stream()); }
-
   // T new queries at the cache's next positions, with the model's attention scale.
   ops::AttentionShape attention_shape(int64_t T, int64_t query_heads, int64_t key_heads, int64_t key_dim,
                                       int64_t value_dim) const {
@@ -563,9 +561,7 @@ struct CausalLM::Impl {
   }
 
   // Blocks until the model's queued work is done.
-  void synchronize() const {
-    if (stream) stream->synchronize();
-  }
+  void synchronize() const { moekit::synchronize(device); }
 
   // The next token from float32 logits [1, V] on the model's device, with one synchronisation: on a GPU
   // a greedy pick runs there and only the index comes back; sampling reads the row. kept: where to append
@@ -577,17 +573,9 @@ struct CausalLM::Impl {
       if (kept) kept->insert(kept->end(), row.begin(), row.end());
       return pick_token(row, g, rng);
     }
-    Tensor row;
-    if (g.do_sample || kept) {
-      row = Tensor::empty({1, V}, DType::f32);
-      copy_into(row, logits, *stream);
-    }
-    Tensor index;
-    if (!g.do_sample) {
-      index = Tensor::empty({1}, DType::i32);
-      copy_into(index, ops::argmax(logits), *stream);
-    }
-    stream->synchronize();
+    // Copies to the host wait for the work queued before them, the graph's replays included.
+    const Tensor row = g.do_sample || kept ? logits.to(Device::cpu()) : Tensor();
+    const Tensor index = g.do_sample ? Tensor() : ops::argmax(logits).to(Device::cpu());
     const std::span<const float> values =
         row.defined() ? std::span<const float>(row.data_as<float>(), V) : std::span<const float>();
     if (kept) kept->insert(kept->end(), values.begin(), values.end());
@@ -602,7 +590,8 @@ struct CausalLM::Impl {
   // read the position from there (rotary angles, the row the keys and values go to, how many keys
   // attention loops over), the cache buffers are allocated at full length up front, and the tensors the
   // step makes come from memory that the graph owns (CapturedGraph's memory), sized by the first decode
-  // step, which runs uncaptured under a DeviceAllocationCounter. The second step is captured; the replays
+  // step, which runs uncaptured under a DeviceAllocationCounter. The second step is captured (on the
+  // model's stream: the legacy default stream, where steps are otherwise launched, cannot be); the replays
   // run the same kernels with the same arguments as launching them would, so outputs are bitwise the
   // same. Whether a step can be captured is found out by trying: a backend that synchronises (eager reads
   // its counts back) makes the capture fail, and generation goes on launching kernels (also on later
@@ -656,6 +645,8 @@ struct CausalLM::Impl {
     const Tensor inputs = write_step_inputs(tokens);
     auto captured = std::make_unique<DecodeGraph>();
     try {
+      // The legacy default stream, where steps are otherwise launched, cannot be captured.
+      const ops::StreamScope on_model_stream(stream->stream());
       captured->graph = std::make_unique<CapturedGraph>(
           *stream, [&] { captured->logits = run_step(tokens, inputs, 1); }, run.memory_bytes);
     } catch (const Error& e) {
@@ -706,7 +697,6 @@ std::map<std::string, std::string> CausalLM::get_experts_implementation() const 
 Tensor CausalLM::forward(std::span<const int32_t> tokens) {
   Impl& m = *impl_;
   m.reset_cache(static_cast<int64_t>(tokens.size()));
-  const auto on_stream = m.on_model_stream();
   Tensor logits = m.step(tokens, static_cast<int64_t>(tokens.size()));
   if (logits.device().is_cuda()) logits = logits.to(Device::cpu());
   m.reset_cache(0);
@@ -719,7 +709,6 @@ GenerationResult CausalLM::generate(std::span<const int32_t> prompt, const Gener
   Impl& m = *impl_;
   // Every position of the generation: the prompt and the new tokens but the last (never run).
   m.reset_cache(static_cast<int64_t>(prompt.size()) + std::max<int64_t>(config.max_new_tokens - 1, 0));
-  const auto on_stream = m.on_model_stream();
   GenerationResult result;
   std::mt19937_64 rng(config.seed);
   std::vector<float> kept_logits;
