@@ -11,6 +11,23 @@ namespace {
 
 class CudaGraphCapture : public ::testing::TestWithParam<std::string> {};
 
+// New activations and routing (the weights stay), written into the captured problem's inputs; out poisoned;
+// one replay; out must match the reference of the new problem.
+void replay_with(const ExpertsProblem& fresh, ExpertsProblem& captured, Tensor& out, CapturedGraph& graph,
+                 const DeviceStream& stream, const std::string& what) {
+  copy_into(captured.hidden_states, fresh.hidden_states, stream);
+  copy_into(captured.top_k_index, fresh.top_k_index, stream);
+  copy_into(captured.top_k_weights, fresh.top_k_weights, stream);
+  out.fill_bytes(0xFF);
+  stream.synchronize();
+  synchronize(Device::cuda());
+  graph.replay();
+  stream.synchronize();
+  const test::Comparison c = test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh),
+                                                          test::tolerance_for(fresh.hidden_states.dtype()));
+  EXPECT_TRUE(c.passed()) << what << ": " << c.summary();
+}
+
 TEST_P(CudaGraphCapture, ReplaysWithNewInputsAndRouting) {
   if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
   const std::string backend = GetParam();
@@ -44,17 +61,7 @@ TEST_P(CudaGraphCapture, ReplaysWithNewInputsAndRouting) {
       next.used_experts = 3;
       redraw_routing(fresh, next, 999);
     }
-    copy_into(captured.hidden_states, fresh.hidden_states, stream);
-    copy_into(captured.top_k_index, fresh.top_k_index, stream);
-    copy_into(captured.top_k_weights, fresh.top_k_weights, stream);
-    out.fill_bytes(0xFF);
-    stream.synchronize();
-    synchronize(Device::cuda());
-    graph.replay();
-    stream.synchronize();
-    const test::Comparison c =
-        test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh), test::tolerance_for(o.dtype));
-    EXPECT_TRUE(c.passed()) << backend << " replay " << round << ": " << c.summary();
+    replay_with(fresh, captured, out, graph, stream, backend + " replay " + std::to_string(round));
   }
 }
 
@@ -94,15 +101,7 @@ TEST_P(CudaGraphCapture, ReplaysWorkThatAllocatesFromTheGraphsMemory) {
     ExpertsProblem fresh = make_random_problem(next);
     fresh.gate_up_proj = first.gate_up_proj;
     fresh.down_proj = first.down_proj;
-    copy_into(captured.hidden_states, fresh.hidden_states, stream);
-    copy_into(captured.top_k_index, fresh.top_k_index, stream);
-    copy_into(captured.top_k_weights, fresh.top_k_weights, stream);
-    out.fill_bytes(0xFF);
-    graph.replay();
-    stream.synchronize();
-    const test::Comparison c =
-        test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh), test::tolerance_for(o.dtype));
-    EXPECT_TRUE(c.passed()) << backend << " replay " << round << ": " << c.summary();
+    replay_with(fresh, captured, out, graph, stream, backend + " replay " + std::to_string(round));
   }
 }
 
