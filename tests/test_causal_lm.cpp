@@ -3,9 +3,11 @@
 // (scripts/make_model_fixtures.py). In float32 on the CPU our logits must match within 1e-4 relative
 // L2 error (every row too) and our greedy tokens must be identical, with every CPU experts backend; in
 // bf16 the logits must match transformers' bf16 run within bf16 tolerances. Also: switching backends at
-// run time, the decode-phase switch staying off on the CPU, sampling, and bad checkpoints.
+// run time, the decode-phase switch staying off on the CPU, sampling, bad checkpoints, and on a GPU the
+// decode steps replayed from one captured CUDA graph against the same steps launched one by one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -176,6 +178,187 @@ TEST(CausalLMCuda, DecodePhaseSwitchesGroupedToBatched) {
   // eager is not switched.
   model.set_experts_implementation("eager");
   EXPECT_EQ(model.generate(e.prompt, g).decode_backends, (std::map<std::string, std::string>{{"", "eager"}}));
+}
+
+// Bytes equal: a replayed decode step runs the launched step's kernels with the same arguments, so its
+// logits must be the same bits, not merely close.
+::testing::AssertionResult bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.shape() != b.shape() || a.dtype() != b.dtype())
+    return ::testing::AssertionFailure() << (a.defined() ? a.describe() : "undefined") << " vs "
+                                         << (b.defined() ? b.describe() : "undefined");
+  const auto* x = static_cast<const unsigned char*>(a.data());
+  const auto* y = static_cast<const unsigned char*>(b.data());
+  for (std::size_t i = 0; i < a.nbytes(); ++i)
+    if (x[i] != y[i])
+      return ::testing::AssertionFailure()
+             << "first difference in logits row " << i / 4 / a.size(1) << ", column " << i / 4 % a.size(1);
+  return ::testing::AssertionSuccess();
+}
+
+bool is_mla(const std::string& name) {
+  return name.starts_with("deepseek_v3");
+}
+
+// Every fixture on a GPU, with and without the decode-phase switch, in float32 and bf16: generate with
+// decode graphs on (the first call captures the second decode step, the second call replays the kept
+// graph from the first decode step) gives the tokens and, for every new token, the float32 logits bit
+// for bit of generate with graphs off. DeepSeek-V3's latent attention is not captured and says why.
+class CausalLMDecodeGraphCuda : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!device_available(Device::cuda(0), &why)) GTEST_SKIP() << "no GPU: " << why;
+  }
+};
+
+TEST_P(CausalLMDecodeGraphCuda, ReplaysGiveTheLaunchedTokensAndLogitsBitwise) {
+  const auto& [name, decode_switch] = GetParam();
+  const Expected e = load_expected(name);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    CausalLM model = CausalLM::from_pretrained(
+        model_dir(name), {.dtype = dtype, .device = Device::cuda(0), .experts_implementation = "grouped_mm"});
+    GenerationConfig g;
+    g.max_new_tokens = static_cast<int64_t>(e.greedy.size());  // 7 decode steps
+    g.decode_phase_switch = decode_switch;
+    g.output_logits = true;
+    g.decode_graph = false;
+    const GenerationResult launched = model.generate(e.prompt, g);
+    EXPECT_FALSE(launched.decode_graph);
+    EXPECT_NE(launched.decode_graph_reason.find("decode_graph is false"), std::string::npos)
+        << launched.decode_graph_reason;
+    ASSERT_EQ(launched.logits.shape(), (Shape{g.max_new_tokens, model.vocab_size()}));
+    // The greedy pick on the GPU is transformers' greedy choice.
+    if (dtype == DType::f32) {
+      EXPECT_EQ(launched.tokens, e.greedy);
+    }
+
+    g.decode_graph = true;
+    std::vector<std::vector<std::string>> per_step;
+    g.on_token = [&](int32_t) { per_step.push_back(model.last_step_backends()); };
+    for (const char* call : {"capturing call", "replaying call"}) {
+      SCOPED_TRACE(call);
+      per_step.clear();
+      const GenerationResult r = model.generate(e.prompt, g);
+      EXPECT_EQ(r.decode_graph, !is_mla(name)) << r.decode_graph_reason;
+      if (is_mla(name)) {
+        EXPECT_NE(r.decode_graph_reason.find("latent attention"), std::string::npos);
+      }
+      EXPECT_EQ(r.tokens, launched.tokens);
+      EXPECT_TRUE(bitwise_equal(r.logits, launched.logits));
+      EXPECT_EQ(r.decode_backends, launched.decode_backends);
+      EXPECT_EQ(r.decode_tokens, g.max_new_tokens - 1);
+      // Replayed steps report the backends of the step they replay.
+      const std::string decode_backend = decode_switch ? "batched_mm" : "grouped_mm";
+      ASSERT_EQ(per_step.size(), e.greedy.size());
+      for (std::size_t i = 1; i < per_step.size(); ++i)
+        for (const std::string& b : per_step[i]) EXPECT_EQ(b, decode_backend) << "step " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CausalLMDecodeGraphCuda,
+                         ::testing::Combine(::testing::ValuesIn(kModels), ::testing::Bool()), [](const auto& p) {
+                           return std::get<0>(p.param) + (std::get<1>(p.param) ? "_decode_switch" : "_no_switch");
+                         });
+
+// Sampling with a seed (the row comes back to the host each step) and stop tokens give the same with and
+// without graphs; the kept graph is captured again when the cache buffers or the decode backends change.
+TEST(CausalLMCuda, DecodeGraphSamplesStopsAndRecapturesAsLaunchedSteps) {
+  std::string why;
+  if (!device_available(Device::cuda(0), &why)) GTEST_SKIP() << "no GPU: " << why;
+  const Expected e = load_expected("gpt_oss");  // sinks, sliding windows, biased experts
+  CausalLM model = CausalLM::from_pretrained(model_dir("gpt_oss"), {.dtype = DType::bf16, .device = Device::cuda(0)});
+  auto both = [&](GenerationConfig g, const std::string& what) {
+    SCOPED_TRACE(what);
+    g.output_logits = true;
+    g.decode_graph = false;
+    const GenerationResult launched = model.generate(e.prompt, g);
+    g.decode_graph = true;
+    const GenerationResult captured = model.generate(e.prompt, g);
+    EXPECT_EQ(captured.tokens, launched.tokens);
+    EXPECT_EQ(captured.stop_reason, launched.stop_reason);
+    EXPECT_TRUE(bitwise_equal(captured.logits, launched.logits));
+    return captured;
+  };
+  GenerationConfig sampled;
+  sampled.max_new_tokens = 10;
+  sampled.do_sample = true;
+  sampled.temperature = 1.3f;
+  sampled.top_k = 20;
+  sampled.seed = 11;
+  EXPECT_TRUE(both(sampled, "sampled").decode_graph);
+  GenerationConfig longer = sampled;
+  longer.max_new_tokens = 30;  // a larger cache: new buffers, so the graph is captured again
+  EXPECT_TRUE(both(longer, "longer").decode_graph);
+  GenerationConfig stopping;
+  stopping.max_new_tokens = 8;
+  const std::vector<int32_t> greedy = model.generate(e.prompt, stopping).tokens;
+  stopping.stop_tokens = {greedy[5]};
+  const GenerationResult stopped = both(stopping, "stop token");
+  EXPECT_EQ(stopped.stop_reason, "stop token");
+  EXPECT_LE(stopped.tokens.size(), 6u);
+  GenerationConfig unswitched = longer;  // grouped_mm decodes: other backends, so captured again
+  unswitched.decode_phase_switch = false;
+  const GenerationResult grouped = both(unswitched, "grouped_mm decode");
+  EXPECT_TRUE(grouped.decode_graph);
+  EXPECT_EQ(grouped.decode_backends, (std::map<std::string, std::string>{{"", "grouped_mm"}}));
+}
+
+// eager reads its per-expert counts back to the host, so its decode step cannot be captured: generation
+// goes on launching the kernels, says why, and gives the same bits as with graphs off; the model does not
+// try again with the same backends, and the GPU is left clean for a backend that can be captured.
+TEST(CausalLMCuda, DecodeGraphFallsBackForABackendThatCannotBeCaptured) {
+  std::string why;
+  if (!device_available(Device::cuda(0), &why)) GTEST_SKIP() << "no GPU: " << why;
+  const Expected e = load_expected("qwen3_moe");
+  CausalLM model =
+      CausalLM::from_pretrained(model_dir("qwen3_moe"), {.device = Device::cuda(0), .experts_implementation = "eager"});
+  GenerationConfig g;
+  g.max_new_tokens = static_cast<int64_t>(e.greedy.size());
+  g.output_logits = true;
+  g.decode_graph = false;
+  const GenerationResult launched = model.generate(e.prompt, g);
+  g.decode_graph = true;
+  for (const char* call : {"first call", "second call"}) {
+    SCOPED_TRACE(call);
+    const GenerationResult r = model.generate(e.prompt, g);
+    EXPECT_FALSE(r.decode_graph);
+    EXPECT_NE(r.decode_graph_reason.find("could not be captured"), std::string::npos) << r.decode_graph_reason;
+    EXPECT_NE(r.decode_graph_reason.find("eager"), std::string::npos) << r.decode_graph_reason;
+    EXPECT_EQ(r.tokens, e.greedy);
+    EXPECT_TRUE(bitwise_equal(r.logits, launched.logits));
+  }
+  model.set_experts_implementation("batched_mm");
+  const GenerationResult r = model.generate(e.prompt, g);
+  EXPECT_TRUE(r.decode_graph) << r.decode_graph_reason;
+  EXPECT_EQ(r.tokens, e.greedy);
+}
+
+TEST(CausalLM, NoDecodeGraphOnTheCpuAndLogitsAreKept) {
+  const Expected e = load_expected("mixtral");
+  CausalLM model = CausalLM::from_pretrained(model_dir("mixtral"));
+  GenerationConfig g;
+  g.max_new_tokens = 5;
+  g.output_logits = true;
+  const GenerationResult r = model.generate(e.prompt, g);
+  EXPECT_FALSE(r.decode_graph);
+  EXPECT_NE(r.decode_graph_reason.find("CPU"), std::string::npos) << r.decode_graph_reason;
+  ASSERT_EQ(r.logits.shape(), (Shape{5, model.vocab_size()}));
+  // Row i is what token i was picked from (greedy: its first largest value), and row 0 is the last row
+  // of the prompt's forward (computed alone there, so equal to rounding).
+  for (int64_t i = 0; i < 5; ++i) {
+    const float* row = r.logits.data_as<float>() + i * model.vocab_size();
+    EXPECT_EQ(std::max_element(row, row + model.vocab_size()) - row, r.tokens[static_cast<std::size_t>(i)]) << i;
+  }
+  const Tensor prompt_logits = model.forward(e.prompt);
+  const int64_t last = static_cast<int64_t>(e.prompt.size()) - 1;
+  EXPECT_LE(relative_l2(r.logits.slice(0, 0, 1), prompt_logits.slice(0, last, last + 1).contiguous(), 0, 1), 1e-5);
+  g.decode_graph = false;
+  g.output_logits = false;
+  const GenerationResult off = model.generate(e.prompt, g);
+  EXPECT_NE(off.decode_graph_reason.find("decode_graph is false"), std::string::npos) << off.decode_graph_reason;
+  EXPECT_FALSE(off.logits.defined());
 }
 
 TEST(CausalLM, DecodeWithCacheMatchesFullForward) {

@@ -1,6 +1,7 @@
 // batched_mm and grouped_mm on CUDA never synchronise with the host: a whole experts call is captured
 // in a CUDA graph, then replayed with new inputs and new routing written into the captured tensors,
-// and every replay must match the float64 reference of the inputs it saw.
+// and every replay must match the float64 reference of the inputs it saw. Also: captures that allocate
+// from memory the graph owns, captures that fail, and the allocation counter that sizes a graph's memory.
 #include "harness.h"
 #include "moekit/device.h"
 #include "moekit/random_problem.h"
@@ -9,6 +10,23 @@ namespace moekit {
 namespace {
 
 class CudaGraphCapture : public ::testing::TestWithParam<std::string> {};
+
+// New activations and routing (the weights stay), written into the captured problem's inputs; out poisoned;
+// one replay; out must match the reference of the new problem.
+void replay_with(const ExpertsProblem& fresh, ExpertsProblem& captured, Tensor& out, CapturedGraph& graph,
+                 const DeviceStream& stream, const std::string& what) {
+  copy_into(captured.hidden_states, fresh.hidden_states, stream);
+  copy_into(captured.top_k_index, fresh.top_k_index, stream);
+  copy_into(captured.top_k_weights, fresh.top_k_weights, stream);
+  out.fill_bytes(0xFF);
+  stream.synchronize();
+  synchronize(Device::cuda());
+  graph.replay();
+  stream.synchronize();
+  const test::Comparison c = test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh),
+                                                          test::tolerance_for(fresh.hidden_states.dtype()));
+  EXPECT_TRUE(c.passed()) << what << ": " << c.summary();
+}
 
 TEST_P(CudaGraphCapture, ReplaysWithNewInputsAndRouting) {
   if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
@@ -43,21 +61,110 @@ TEST_P(CudaGraphCapture, ReplaysWithNewInputsAndRouting) {
       next.used_experts = 3;
       redraw_routing(fresh, next, 999);
     }
-    copy_into(captured.hidden_states, fresh.hidden_states, stream);
-    copy_into(captured.top_k_index, fresh.top_k_index, stream);
-    copy_into(captured.top_k_weights, fresh.top_k_weights, stream);
-    out.fill_bytes(0xFF);
-    stream.synchronize();
-    synchronize(Device::cuda());
-    graph.replay();
-    stream.synchronize();
-    const test::Comparison c =
-        test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh), test::tolerance_for(o.dtype));
-    EXPECT_TRUE(c.passed()) << backend << " replay " << round << ": " << c.summary();
+    replay_with(fresh, captured, out, graph, stream, backend + " replay " + std::to_string(round));
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaGraphCapture, ::testing::Values("batched_mm", "grouped_mm"));
+
+// Work that allocates (experts_forward making its own output and workspace) captured with memory of the
+// graph's own, sized by counting one uncaptured run: the output tensor kept from the capture is rewritten
+// by every replay, for new inputs and routing.
+TEST_P(CudaGraphCapture, ReplaysWorkThatAllocatesFromTheGraphsMemory) {
+  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
+  const std::string backend = GetParam();
+  RandomProblemOptions o;
+  o.tokens = 5;
+  o.hidden = 128;
+  o.intermediate = 64;
+  o.experts = 8;
+  o.top_k = 2;
+  o.dtype = DType::bf16;
+  o.seed = 21;
+  const ExpertsProblem first = make_random_problem(o);
+  ExpertsProblem captured = test::problem_on(first, Device::cuda());
+  DeviceStream stream(Device::cuda(), /*ordered_with_default=*/true);
+  std::size_t bytes = 0;
+  {
+    const DeviceAllocationCounter counter(Device::cuda());
+    experts_forward(captured, backend, Tensor(), stream.stream());
+    bytes = counter.bytes();
+  }
+  EXPECT_GE(bytes, 256u);  // the output at least
+  Tensor out;
+  CapturedGraph graph(
+      stream, [&] { out = experts_forward(captured, backend, Tensor(), stream.stream()); }, bytes);
+  ASSERT_TRUE(out.defined());
+  for (uint64_t round = 0; round < 2; ++round) {
+    RandomProblemOptions next = o;
+    next.seed = 200 + round;
+    ExpertsProblem fresh = make_random_problem(next);
+    fresh.gate_up_proj = first.gate_up_proj;
+    fresh.down_proj = first.down_proj;
+    replay_with(fresh, captured, out, graph, stream, backend + " replay " + std::to_string(round));
+  }
+}
+
+// A capture that cannot work fails with a clear error and leaves nothing behind: too little memory of the
+// graph's own, and eager, which reads its counts back to the host. The GPU stays usable (no stale CUDA
+// error surfaces at the next launch).
+TEST(CudaGraph, FailedCapturesThrowAndLeaveTheGpuUsable) {
+  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
+  RandomProblemOptions o;
+  o.tokens = 4;
+  o.hidden = 64;
+  o.intermediate = 32;
+  o.experts = 4;
+  o.top_k = 2;
+  o.dtype = DType::bf16;
+  o.seed = 3;
+  const ExpertsProblem cpu_problem = make_random_problem(o);
+  const ExpertsProblem problem = test::problem_on(cpu_problem, Device::cuda());
+  DeviceStream stream(Device::cuda(), /*ordered_with_default=*/true);
+  EXPECT_TRUE(test::throws_error_with(
+      [&] {
+        CapturedGraph graph(
+            stream, [&] { experts_forward(problem, "batched_mm", Tensor(), stream.stream()); }, 256);
+      },
+      {"do not fit"}));
+  Tensor out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
+  Tensor workspace = Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(
+                                       ExpertsInterface::global().get("eager").workspace_bytes(problem), 1))},
+                                   DType::u8, Device::cuda());
+  EXPECT_THROW(CapturedGraph(stream, [&] { experts_forward(problem, "eager", out, stream.stream(), workspace); }),
+               Error);
+  // Launched as usual afterwards, every backend still runs and matches.
+  for (const char* backend : {"eager", "batched_mm"}) {
+    const Tensor got = experts_forward(problem, backend, Tensor(), stream.stream());
+    stream.synchronize();
+    const test::Comparison c = test::compare_with_reference(got.to(Device::cpu()), experts_reference(cpu_problem),
+                                                            test::tolerance_for(o.dtype));
+    EXPECT_TRUE(c.passed()) << backend << ": " << c.summary();
+  }
+}
+
+// The counter behind a graph's memory, on any device: every tensor made while it lives, 256-byte
+// aligned, none reused; tensors made before or after it are not counted.
+TEST(DeviceAllocationCounter, CountsTheTensorsMadeWhileItLives) {
+  const Tensor before = Tensor::empty({1000}, DType::f32);
+  std::size_t outer_bytes = 0;
+  {
+    const DeviceAllocationCounter outer(Device::cpu());
+    { const Tensor dropped = Tensor::empty({10}, DType::f32); }  // 40 bytes: 256
+    const Tensor kept = Tensor::empty({100}, DType::f32);        // 400 bytes: 512
+    std::size_t inner_bytes = 0;
+    {
+      const DeviceAllocationCounter inner(Device::cpu());
+      const Tensor empty = Tensor::empty({0}, DType::bf16);  // still a distinct piece: 256
+      inner_bytes = inner.bytes();
+    }
+    EXPECT_EQ(inner_bytes, 256u);
+    outer_bytes = outer.bytes();
+  }
+  EXPECT_EQ(outer_bytes, 256u + 512u + 256u);  // nested counters both count
+  const Tensor after = Tensor::empty({10}, DType::f32);
+  EXPECT_EQ(after.numel(), 10);
+}
 
 }  // namespace
 }  // namespace moekit

@@ -16,6 +16,7 @@
 #include "moekit/cuda/model_kernels.h"
 #include "moekit/model/model_ops.h"
 #include "moekit/model/router.h"
+#include "moekit/model/sampling.h"
 
 namespace moekit {
 namespace {
@@ -81,6 +82,23 @@ Tensor cpu(const Tensor& t) {
   return ::testing::AssertionFailure() << bad << " of " << g.size() << " elements differ; first at " << first
                                        << ": got " << g[static_cast<std::size_t>(first)] << ", want "
                                        << w[static_cast<std::size_t>(first)] << " (max |want| " << scale << ")";
+}
+
+// Equal bytes (a captured step must reproduce a launched one exactly, not within a tolerance).
+::testing::AssertionResult bitwise_equal(const Tensor& got, const Tensor& want) {
+  if (got.shape() != want.shape() || got.dtype() != want.dtype())
+    return ::testing::AssertionFailure() << got.describe() << " vs " << want.describe();
+  const Tensor g = cpu(got), w = cpu(want);
+  const auto* a = static_cast<const unsigned char*>(g.data());
+  const auto* b = static_cast<const unsigned char*>(w.data());
+  for (std::size_t i = 0; i < g.nbytes(); ++i)
+    if (a[i] != b[i]) return ::testing::AssertionFailure() << "byte " << i << " of " << g.nbytes() << " differs";
+  return ::testing::AssertionSuccess();
+}
+
+// An int32 [1] on the GPU holding value: a step's position as the kernels read it from device memory.
+Tensor device_int(int64_t value) {
+  return gpu(test::ids_of({value}, {1}, DType::i32));
 }
 
 Tensor device_workspace(std::size_t bytes) {
@@ -278,7 +296,7 @@ TEST(ModelKernelsCuda, RotaryMatchesCpu) {
         EXPECT_TRUE(test::throws_error_with(
             [&] {
               cuda::rotary_forward(nullptr, c.tokens, c.heads, c.head_stride, c.offset, c.half, nullptr,
-                                   c.attention_factor, c.interleaved, c.positions_begin, dtype, nullptr);
+                                   c.attention_factor, c.interleaved, c.positions_begin, nullptr, dtype, nullptr);
             },
             {"half = 288"}));
         continue;
@@ -290,8 +308,15 @@ TEST(ModelKernelsCuda, RotaryMatchesCpu) {
       Tensor x = random_tensor({c.tokens, c.heads * c.head_stride}, dtype, 80 + c.half);
       Tensor x_gpu = gpu(x);
       const Tensor inv_freq = gpu(test::tensor_of(rope.inv_freq, {c.half}));
+      Tensor x_gpu_device_position = gpu(x);
       cuda::rotary_forward(x_gpu.data(), c.tokens, c.heads, c.head_stride, c.offset, c.half, inv_freq.data_as<float>(),
-                           c.attention_factor, c.interleaved, c.positions_begin, dtype, nullptr);
+                           c.attention_factor, c.interleaved, c.positions_begin, nullptr, dtype, nullptr);
+      // The position read from device memory (a captured decode step's): the same bits.
+      const Tensor position = device_int(c.positions_begin);
+      cuda::rotary_forward(x_gpu_device_position.data(), c.tokens, c.heads, c.head_stride, c.offset, c.half,
+                           inv_freq.data_as<float>(), c.attention_factor, c.interleaved, 0, position.data_as<int32_t>(),
+                           dtype, nullptr);
+      EXPECT_TRUE(bitwise_equal(x_gpu_device_position, x_gpu));
       model_ops::apply_rotary(x, c.heads, c.head_stride, c.offset, rope, c.positions_begin);
       // cos/sin may differ in the last float bit (CUDA's cosf vs glibc's), which can move the rounding
       // of the 16-bit table by one unit: 1e-2 of the largest value covers it, and untouched columns
@@ -365,6 +390,20 @@ void check_attention(const AttentionCase& c, DType dtype, uint64_t seed) {
   a.out = out.data();
   cuda::attention_forward(a, nullptr);
   EXPECT_TRUE(all_close(cpu(out), want, tolerance_of(dtype)));
+
+  // past read from device memory, with the keys in a cache allocated longer than S whose extra rows
+  // hold NaN (a captured decode step's full-length cache): the same bits.
+  Tensor long_cache = poisoned({S + 40, cache_row}, dtype);
+  model_ops::write_rows(long_cache, 0, cache_gpu);
+  const Tensor past = device_int(c.past);
+  Tensor out_device_past = poisoned({T, Hq * dv}, dtype);
+  a.past = 0;
+  a.past_device = past.data_as<int32_t>();
+  a.k = long_cache.data();
+  a.v = static_cast<const unsigned char*>(long_cache.data()) + dk * static_cast<int64_t>(dtype_size(dtype));
+  a.out = out_device_past.data();
+  cuda::attention_forward(a, nullptr);
+  EXPECT_TRUE(bitwise_equal(out_device_past, out));
 }
 
 TEST(ModelKernelsCuda, AttentionMatchesCpu) {
@@ -556,6 +595,65 @@ TEST(ModelKernelsCuda, RoutersBreakTiesAndRankNaNAsTheCpu) {
                  (c.norm ? " norm" : ""));
     check_router(c, logits, bias);
   }
+}
+
+TEST(ModelKernelsCuda, WriteRowsAtTakesTheRowFromDeviceMemory) {
+  SKIP_WITHOUT_CUDA();
+  for (DType dtype : kDtypes)
+    for (int64_t C : {64, 33}) {  // 16-byte and 2-byte units
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " C=" + std::to_string(C));
+      const int64_t R = 20, n = 3, row = 11;
+      const Tensor src = random_tensor({n, C}, dtype, 90 + C);
+      Tensor dst = poisoned({R, C}, dtype);
+      const Tensor at = device_int(row);
+      cuda::write_rows_at(gpu(src).data(), n, C, dst.data(), at.data_as<int32_t>(), dtype, nullptr);
+      const Tensor got = cpu(dst);
+      EXPECT_TRUE(all_close(got.slice(0, row, row + n).contiguous(), src, kExact));
+      const std::vector<float> all = test::values_of(got);
+      for (int64_t r = 0; r < R; ++r) {
+        if (r >= row && r < row + n) continue;
+        for (int64_t j = 0; j < C; ++j) ASSERT_TRUE(std::isnan(all[static_cast<std::size_t>(r * C + j)])) << r;
+      }
+    }
+}
+
+TEST(ModelKernelsCuda, ArgmaxPicksAsGreedyPickToken) {
+  SKIP_WITHOUT_CUDA();
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN(), kInf = std::numeric_limits<float>::infinity();
+  std::vector<std::vector<float>> rows = {
+      {1, 3, 3, 2},           // ties: the first
+      {kNaN, 2, 5, kNaN, 5},  // NaN is never picked while a number is there
+      {kNaN, kNaN, kNaN},     // all NaN: the last (pick_token's scan ends there)
+      {-kInf, -kInf},         // all -inf: the first
+      {-kInf, kNaN, -3},      // -inf, NaN, a number
+      {kInf, 1, kInf},        // +inf ties
+      {7},
+  };
+  std::vector<float> vocabulary(151936);  // a real vocabulary size: every thread sees many values
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (float& v : vocabulary) v = normal(rng);
+  vocabulary[151935] = 40.0f;
+  vocabulary[70001] = 40.0f;  // the same largest value earlier: this one
+  rows.push_back(vocabulary);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const std::vector<float>& row = rows[i];
+    const int64_t V = static_cast<int64_t>(row.size());
+    std::mt19937_64 unused;
+    const int32_t want = pick_token(row, GenerationConfig(), unused);
+    const Tensor got = model_ops::argmax(gpu(test::tensor_of(row, {1, V})));
+    EXPECT_EQ(cpu(got).data_as<int32_t>()[0], want) << "row " << i;
+  }
+}
+
+TEST(ModelKernelsCuda, FillWritesEveryElement) {
+  SKIP_WITHOUT_CUDA();
+  const Tensor ones = cpu(model_ops::full({37, 1}, DType::f32, 1.0, Device::cuda()));
+  for (int64_t i = 0; i < 37; ++i) EXPECT_EQ(ones.data_as<float>()[i], 1.0f);
+  const Tensor zeros = cpu(model_ops::full({1000}, DType::i64, 0, Device::cuda()));
+  for (int64_t i = 0; i < 1000; ++i) EXPECT_EQ(zeros.data_as<int64_t>()[i], 0);
+  EXPECT_TRUE(
+      test::throws_error_with([] { model_ops::full({4}, DType::bf16, 0, Device::cuda()); }, {"f32, i32 or i64"}));
 }
 
 }  // namespace

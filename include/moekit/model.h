@@ -47,6 +47,13 @@ struct GenerationConfig {
   std::vector<int32_t> stop_tokens;  // generation ends after producing one of these
   // On a GPU, run the decode phase of grouped_mm backbones with batched_mm (false: keep grouped_mm).
   bool decode_phase_switch = true;
+  // On a GPU, capture one decode step into a CUDA graph and replay it for every later token, instead of
+  // launching each step's kernels from the host (false: launch them). Outputs are bitwise the same either
+  // way. Where a step cannot be captured (an experts backend that synchronises, such as eager; DeepSeek-V3's
+  // latent attention) generation launches the kernels and GenerationResult says why.
+  bool decode_graph = true;
+  // Keep the float32 logits each new token was chosen from: GenerationResult::logits.
+  bool output_logits = false;
   // Called with each new token as it is produced (streaming); may be empty.
   std::function<void(int32_t)> on_token;
 };
@@ -58,6 +65,12 @@ struct GenerationResult {
   double prefill_seconds = 0, decode_seconds = 0;
   // The experts backend of each backbone during each phase (get_experts_implementation's form).
   std::map<std::string, std::string> prefill_backends, decode_backends;
+  // Whether decode steps replayed a captured CUDA graph; if not, why not.
+  bool decode_graph = false;
+  std::string decode_graph_reason;
+  // With GenerationConfig::output_logits: float32 [tokens.size(), vocab] on the host, row i the logits
+  // token i was chosen from.
+  Tensor logits;
 };
 
 // {"": "grouped_mm", "text_config": "eager"} as one line: "": grouped_mm, text_config: eager.
@@ -81,7 +94,11 @@ class CausalLM {
   // Logits [T, vocab] float32 for the token ids, from an empty cache.
   Tensor forward(std::span<const int32_t> tokens);
   // Prefill with the prompt, then decode one token at a time. On a GPU, backbones running grouped_mm
-  // run batched_mm for the decode phase and get grouped_mm back afterwards (also on error).
+  // run batched_mm for the decode phase and get grouped_mm back afterwards (also on error), and the
+  // decode steps replay one captured CUDA graph (GenerationConfig::decode_graph), which the model keeps
+  // for later calls while the decode backends and the cache buffers stay the same. The KV cache holds
+  // every position of the generation from the start (on a GPU its buffers are kept between calls and
+  // grow when a generation needs more).
   GenerationResult generate(std::span<const int32_t> prompt, const GenerationConfig& config);
 
   // The experts backend each MoE layer ran in the last forward step, in layer order (for tests and

@@ -1,6 +1,6 @@
 // moekit generate: loads a checkpoint (or writes and loads the built-in random model), encodes the
 // prompt with the checkpoint's tokenizer.json, generates, streams the text, and reports tokens/s of
-// prefill and decode and the experts backends of each phase.
+// prefill and decode, the experts backends of each phase and whether decode replayed a CUDA graph.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -78,9 +78,13 @@ void run_generate(const GenerateOptions& o) {
   std::fprintf(stderr, "prefill: %lld tokens in %.6f s (%.1f tokens/s), experts %s\n",
                static_cast<long long>(r.prefill_tokens), r.prefill_seconds, rate(r.prefill_tokens, r.prefill_seconds),
                experts_implementation_text(r.prefill_backends).c_str());
-  std::fprintf(stderr, "decode:  %lld tokens in %.6f s (%.1f tokens/s), experts %s\n",
+  const std::string graph = r.decode_graph               ? "on"
+                            : !o.generation.decode_graph ? "off (--no-decode-graph)"
+                                                         : "off (" + r.decode_graph_reason + ")";
+  std::fprintf(stderr, "decode:  %lld tokens in %.6f s (%.1f tokens/s), experts %s, decode graph %s\n",
                static_cast<long long>(r.decode_tokens), r.decode_seconds, rate(r.decode_tokens, r.decode_seconds),
-               r.decode_backends.empty() ? "(no decode step)" : experts_implementation_text(r.decode_backends).c_str());
+               r.decode_backends.empty() ? "(no decode step)" : experts_implementation_text(r.decode_backends).c_str(),
+               graph.c_str());
   std::fprintf(stderr, "stopped: %s after %zu new tokens\n", r.stop_reason.c_str(), r.tokens.size());
 }
 
@@ -110,6 +114,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_flag("--raw", options->raw, "Print token ids instead of text");
   cmd->add_flag("!--no-decode-switch", options->generation.decode_phase_switch,
                 "On a GPU, keep grouped_mm for decode instead of switching to batched_mm");
+  cmd->add_flag("!--no-decode-graph", options->generation.decode_graph,
+                "On a GPU, launch every decode step's kernels instead of replaying one captured CUDA graph");
   cmd->add_flag("--ignore-eos", options->ignore_eos, "Do not stop at the tokenizer's end-of-sequence token");
   cmd->add_option("--warmup", options->warmup, "Untimed generations before the timed one (benchmarks)")
       ->capture_default_str()

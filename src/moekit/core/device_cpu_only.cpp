@@ -13,7 +13,7 @@ double now_ms() {
 }
 }  // namespace
 
-DeviceStream::DeviceStream(Device device) : device_(device) {
+DeviceStream::DeviceStream(Device device, bool) : device_(device) {
   MOEKIT_CHECK(device.is_cpu(), "no stream on ", device_name(device), ": ", kNoCudaReason);
 }
 DeviceStream::~DeviceStream() = default;
@@ -31,7 +31,7 @@ double DeviceTimer::elapsed_ms() {
   return cpu_end_ - cpu_begin_;
 }
 
-CapturedGraph::CapturedGraph(const DeviceStream& stream, const std::function<void()>&) : stream_(stream) {
+CapturedGraph::CapturedGraph(const DeviceStream& stream, const std::function<void()>&, std::size_t) : stream_(stream) {
   MOEKIT_FAIL("CUDA graphs: ", kNoCudaReason);
 }
 CapturedGraph::~CapturedGraph() = default;

@@ -3,7 +3,10 @@
 
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <optional>
 
+#include "moekit/core/device_arena.h"
 #include "moekit/device.h"
 
 namespace moekit {
@@ -21,13 +24,14 @@ double now_ms() {
 
 }  // namespace
 
-DeviceStream::DeviceStream(Device device) : device_(device) {
+DeviceStream::DeviceStream(Device device, bool ordered_with_default) : device_(device) {
   if (device.is_cpu()) return;
   std::string why;
   MOEKIT_CHECK(device_available(device, &why), "no stream on ", device_name(device), ": ", why);
   check(cudaSetDevice(device.index), "cudaSetDevice");
   cudaStream_t s = nullptr;
-  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  check(cudaStreamCreateWithFlags(&s, ordered_with_default ? cudaStreamDefault : cudaStreamNonBlocking),
+        "cudaStreamCreateWithFlags");
   handle_ = s;
 }
 
@@ -76,24 +80,47 @@ double DeviceTimer::elapsed_ms() {
   return ms;
 }
 
-CapturedGraph::CapturedGraph(const DeviceStream& stream, const std::function<void()>& work) : stream_(stream) {
+CapturedGraph::CapturedGraph(const DeviceStream& stream, const std::function<void()>& work, std::size_t memory_bytes)
+    : stream_(stream) {
   MOEKIT_CHECK(stream.device().is_cuda(), "CUDA graphs need a CUDA stream, got ", device_name(stream.device()));
   cudaStream_t s = as_stream(stream.stream().handle);
+  std::shared_ptr<DeviceArena> memory;
+  if (memory_bytes > 0) memory = DeviceArena::make(stream.device(), memory_bytes);  // before the capture starts
+  // A failed capture leaves its error as the thread's last CUDA error, where the next kernel launch's
+  // check would find it: clear it, so that the caller can go on without the graph.
   check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-  try {
-    work();
-  } catch (...) {
-    cudaGraph_t broken = nullptr;
-    (void)cudaStreamEndCapture(s, &broken);
-    if (broken) (void)cudaGraphDestroy(broken);
-    throw;
+  {
+    // The scope closes after the capture ends: memory it defers freeing is freed outside the capture.
+    std::optional<ArenaScope> scope;
+    if (memory) scope.emplace(memory);
+    std::exception_ptr thrown;
+    try {
+      work();
+    } catch (...) {
+      thrown = std::current_exception();
+    }
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+    if (thrown || ended != cudaSuccess) {
+      if (graph) (void)cudaGraphDestroy(graph);
+      scope.reset();
+      (void)cudaGetLastError();
+      if (thrown) std::rethrow_exception(thrown);
+      MOEKIT_FAIL("cudaStreamEndCapture failed: ", cudaGetErrorString(ended),
+                  " (did the captured work synchronise, or allocate without memory of the graph's own?)");
+    }
+    graph_ = graph;
   }
-  cudaGraph_t graph = nullptr;
-  check(cudaStreamEndCapture(s, &graph), "cudaStreamEndCapture (did the captured work synchronise or allocate?)");
-  graph_ = graph;
   cudaGraphExec_t exec = nullptr;
-  check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, static_cast<cudaGraph_t>(graph_), 0);
+  if (instantiated != cudaSuccess) {
+    (void)cudaGraphDestroy(static_cast<cudaGraph_t>(graph_));
+    graph_ = nullptr;
+    (void)cudaGetLastError();
+    MOEKIT_FAIL("cudaGraphInstantiate failed: ", cudaGetErrorString(instantiated));
+  }
   exec_ = exec;
+  memory_ = std::move(memory);
 }
 
 CapturedGraph::~CapturedGraph() {

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "moekit/core/device_arena.h"
 #include "moekit/core/device_memory.h"
 
 namespace moekit {
@@ -84,8 +85,7 @@ int64_t checked_numel(const Shape& shape) {
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   const std::size_t bytes = static_cast<std::size_t>(checked_numel(shape)) * dtype_size(dtype);
   Tensor t;
-  void* data = device_allocate(bytes, device);
-  t.storage_ = std::make_shared<Storage>(data, bytes, device, [device](void* p) { device_free(p, device); });
+  t.storage_ = device_storage(bytes, device);  // from a graph's own memory while one is being captured
   t.strides_ = contiguous_strides(shape);
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;

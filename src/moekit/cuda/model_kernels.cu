@@ -67,22 +67,25 @@ __device__ __forceinline__ float sigmoid_accurate(float x) {
 
 // ---- Copies: embedding rows and column ranges, in 16-, 4- or 2-byte units. ----
 
-// dst row r, units [dst_begin, dst_begin + count) = src row (ids ? ids[r] : r), units [src_begin, ...).
-// Strides and offsets in units of U. grid-stride over rows * count.
+// dst row (r + (dst_first_row ? *dst_first_row : 0)), units [dst_begin, dst_begin + count) = src row
+// (ids ? ids[r] : r), units [src_begin, ...). Strides and offsets in units of U. grid-stride over rows * count.
 template <typename U>
 __global__ void __launch_bounds__(kThreads)
     copy_rows_kernel(const U* __restrict__ src, const int32_t* __restrict__ ids, int64_t rows, int64_t src_stride,
-                     int64_t src_begin, int64_t count, U* __restrict__ dst, int64_t dst_stride, int64_t dst_begin) {
+                     int64_t src_begin, int64_t count, U* __restrict__ dst, const int32_t* __restrict__ dst_first_row,
+                     int64_t dst_stride, int64_t dst_begin) {
+  const int64_t first = dst_first_row ? static_cast<int64_t>(*dst_first_row) : 0;
   for (int64_t i = grid_index(); i < rows * count; i += grid_stride()) {
     const int64_t r = i / count, c = i % count;
     const int64_t s = ids ? static_cast<int64_t>(ids[r]) : r;
-    dst[r * dst_stride + dst_begin + c] = src[s * src_stride + src_begin + c];
+    dst[(first + r) * dst_stride + dst_begin + c] = src[s * src_stride + src_begin + c];
   }
 }
 
 // Copies with the widest unit that divides every byte offset and stride and both base pointers.
 void copy_rows(const void* src, const int32_t* ids, int64_t rows, int64_t src_stride_bytes, int64_t src_begin_bytes,
-               int64_t count_bytes, void* dst, int64_t dst_stride_bytes, int64_t dst_begin_bytes, cudaStream_t stream) {
+               int64_t count_bytes, void* dst, int64_t dst_stride_bytes, int64_t dst_begin_bytes, cudaStream_t stream,
+               const int32_t* dst_first_row = nullptr) {
   if (rows == 0 || count_bytes == 0) return;
   const auto all_divisible = [&](int64_t unit) {
     return reinterpret_cast<uintptr_t>(src) % unit == 0 && reinterpret_cast<uintptr_t>(dst) % unit == 0 &&
@@ -94,7 +97,7 @@ void copy_rows(const void* src, const int32_t* ids, int64_t rows, int64_t src_st
     constexpr int64_t u = sizeof(U);
     copy_rows_kernel<U><<<elementwise_blocks(rows * (count_bytes / u)), kThreads, 0, stream>>>(
         static_cast<const U*>(src), ids, rows, src_stride_bytes / u, src_begin_bytes / u, count_bytes / u,
-        static_cast<U*>(dst), dst_stride_bytes / u, dst_begin_bytes / u);
+        static_cast<U*>(dst), dst_first_row, dst_stride_bytes / u, dst_begin_bytes / u);
     MOEKIT_CUDA_CHECK_LAUNCH();
   };
   if (all_divisible(16))
@@ -136,6 +139,62 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = grid_index(); i < n; i += grid_stride()) {
     const float l = to_f(from_f<T>(logits[i]));
     weights[i] = to_f(from_f<T>(sigmoid_accurate(l)));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) fill_kernel(T* __restrict__ dst, int64_t n, T value) {
+  for (int64_t i = grid_index(); i < n; i += grid_stride()) dst[i] = value;
+}
+
+// ---- Greedy pick: one block over the whole row. ----
+// The order of sampling.cpp's greedy scan: a number before NaN, the larger number first, the lower index
+// among equal numbers; among NaNs the higher index (an all-NaN row gives its last index). index < 0: no
+// candidate yet.
+constexpr int kArgmaxThreads = 1024;
+
+__device__ __forceinline__ bool picked_before(float a, int a_index, float b, int b_index) {
+  if (a_index < 0) return false;
+  if (b_index < 0) return true;
+  const bool a_nan = isnan(a), b_nan = isnan(b);
+  if (a_nan != b_nan) return b_nan;
+  if (a_nan) return a_index > b_index;
+  if (a != b) return a > b;
+  return a_index < b_index;
+}
+
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* __restrict__ x, int n, int32_t* out) {
+  __shared__ float best_shared[kArgmaxThreads / 32];
+  __shared__ int index_shared[kArgmaxThreads / 32];
+  float best = 0.0f;
+  int best_index = -1;
+  for (int i = threadIdx.x; i < n; i += blockDim.x)
+    if (picked_before(x[i], i, best, best_index)) {
+      best = x[i];
+      best_index = i;
+    }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+    const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+    if (picked_before(other, other_index, best, best_index)) {
+      best = other;
+      best_index = other_index;
+    }
+  }
+  if (lane == 0) {
+    best_shared[warp] = best;
+    index_shared[warp] = best_index;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgmaxThreads / 32; ++w)
+      if (picked_before(best_shared[w], index_shared[w], best, best_index)) {
+        best = best_shared[w];
+        best_index = index_shared[w];
+      }
+    *out = best_index;
   }
 }
 
@@ -337,14 +396,15 @@ constexpr int kRotaryWarps = 4, kRotaryPairsPerLane = 8;
 template <typename T>
 __global__ void __launch_bounds__(kRotaryWarps * 32)
     rotary_kernel(T* __restrict__ x, int64_t tokens, int64_t heads, int64_t head_stride, int64_t offset, int64_t half,
-                  const float* __restrict__ inv_freq, float attention_factor, bool interleaved,
-                  int64_t positions_begin) {
+                  const float* __restrict__ inv_freq, float attention_factor, bool interleaved, int64_t positions_begin,
+                  const int32_t* __restrict__ positions_begin_device) {
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kRotaryWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (item >= tokens * heads) return;
   const int64_t t = item / heads, h = item % heads;
   T* v = x + t * heads * head_stride + h * head_stride + offset;
-  const float position = static_cast<float>(positions_begin + t);
+  const int64_t begin = positions_begin_device ? static_cast<int64_t>(*positions_begin_device) : positions_begin;
+  const float position = static_cast<float>(begin + t);
   float first[kRotaryPairsPerLane], second[kRotaryPairsPerLane];
 #pragma unroll
   for (int m = 0; m < kRotaryPairsPerLane; ++m) {
@@ -389,7 +449,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(const Attent
   for (int64_t d = threadIdx.x; d < dk; d += blockDim.x) q_shared[d] = to_f(q[d]);
   __syncthreads();
 
-  const int64_t position = a.past + t;
+  const int64_t position = (a.past_device ? static_cast<int64_t>(*a.past_device) : a.past) + t;
   const int64_t first = a.sliding_window > 0 ? max(int64_t{0}, position - a.sliding_window + 1) : 0;
   const int64_t tiles = (position - first + 32) / 32;
   const T* keys = static_cast<const T*>(a.k) + kh * a.k_head;
@@ -712,7 +772,7 @@ void clamp_in_place(void* x, int64_t n, float limit, DType dtype, cudaStream_t s
 
 void rotary_forward(void* x, int64_t tokens, int64_t heads, int64_t head_stride, int64_t offset, int64_t half,
                     const float* inv_freq, float attention_factor, bool interleaved, int64_t positions_begin,
-                    DType dtype, cudaStream_t stream) {
+                    const int32_t* positions_begin_device, DType dtype, cudaStream_t stream) {
   MOEKIT_CHECK(tokens >= 0 && heads >= 0 && half >= 0 && offset >= 0 && offset + 2 * half <= head_stride,
                "rotary_forward: ", 2 * half, " rotary values at ", offset, " do not fit heads of ", head_stride);
   MOEKIT_CHECK(half <= 32 * kRotaryPairsPerLane, "rotary_forward: half = ", half, " is above the kernel's ",
@@ -724,7 +784,7 @@ void rotary_forward(void* x, int64_t tokens, int64_t heads, int64_t head_stride,
     using T = typename decltype(tag)::type;
     rotary_kernel<T><<<static_cast<unsigned>(blocks), kRotaryWarps * 32, 0, stream>>>(
         static_cast<T*>(x), tokens, heads, head_stride, offset, half, inv_freq, attention_factor, interleaved,
-        positions_begin);
+        positions_begin, positions_begin_device);
     MOEKIT_CUDA_CHECK_LAUNCH();
   });
 }
@@ -755,6 +815,14 @@ void copy_columns(const void* src, int64_t rows, int64_t src_cols, int64_t begin
                "copy_columns: [", begin, ", ", end, ") of ", src_cols, " columns to ", dst_begin, " of ", dst_cols);
   const auto e = static_cast<int64_t>(dtype_size(dtype));
   copy_rows(src, nullptr, rows, src_cols * e, begin * e, (end - begin) * e, dst, dst_cols * e, dst_begin * e, stream);
+}
+
+void write_rows_at(const void* src, int64_t rows, int64_t row_elements, void* dst, const int32_t* first_row_device,
+                   DType dtype, cudaStream_t stream) {
+  MOEKIT_CHECK(rows >= 0 && row_elements >= 0 && first_row_device != nullptr,
+               "write_rows_at: negative size or no first row");
+  const auto row = row_elements * static_cast<int64_t>(dtype_size(dtype));
+  copy_rows(src, nullptr, rows, row, 0, row, dst, row, 0, stream, first_row_device);
 }
 
 void route_forward(const RouterArgs& a, cudaStream_t stream) {
@@ -792,6 +860,22 @@ void dtype_to_float(const void* src, int64_t n, DType dtype, float* dst, cudaStr
   for_elements("dtype_to_float", n, dtype, [&](auto tag, unsigned blocks) {
     using T = typename decltype(tag)::type;
     convert_kernel<T, float><<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(src), n, dst);
+  });
+}
+
+void argmax_forward(const float* x, int64_t n, int32_t* out, cudaStream_t stream) {
+  MOEKIT_CHECK(n >= 1 && n <= 0x7fffffff, "argmax_forward: ", n, " values (1 to 2^31 - 1)");
+  argmax_kernel<<<1, kArgmaxThreads, 0, stream>>>(x, static_cast<int>(n), out);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+void fill_forward(void* dst, int64_t n, DType dtype, double value, cudaStream_t stream) {
+  MOEKIT_CHECK(n >= 0, "fill_forward: negative size ", n);
+  if (n == 0) return;
+  visit_dtype_among<float, int32_t, int64_t>(dtype, "f32, i32 or i64 (fill_forward)", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    fill_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(static_cast<T*>(dst), n, static_cast<T>(value));
+    MOEKIT_CUDA_CHECK_LAUNCH();
   });
 }
 

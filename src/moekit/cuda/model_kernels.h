@@ -36,15 +36,19 @@ void add_in_place(void* h, const void* a, int64_t n, DType dtype, cudaStream_t s
 void clamp_in_place(void* x, int64_t n, float limit, DType dtype, cudaStream_t stream);
 
 // Rotates in place 2 * half values starting at column `offset` of each of `heads` heads of x
-// [T, heads * head_stride], row t at position positions_begin + t: cos/sin = round(cos/sin(inv_freq[i]
+// [T, heads * head_stride], row t at position positions_begin + t (positions_begin read from
+// positions_begin_device, int32 on the device, when that is not null: read when the kernel runs, so that
+// one captured CUDA graph serves every decode step): cos/sin = round(cos/sin(inv_freq[i]
 // * position) * attention_factor) to the dtype; half-split pairs (x[i], x[i + half]) or, interleaved,
 // (x[2i], x[2i+1]) written de-interleaved (first halves then second halves), as model_ops::apply_rotary.
 // inv_freq: [half] float, device.
 void rotary_forward(void* x, int64_t tokens, int64_t heads, int64_t head_stride, int64_t offset, int64_t half,
                     const float* inv_freq, float attention_factor, bool interleaved, int64_t positions_begin,
-                    DType dtype, cudaStream_t stream);
+                    const int32_t* positions_begin_device, DType dtype, cudaStream_t stream);
 
-// Causal attention of T new queries (positions past .. past + T - 1) against S = past + T keys.
+// Causal attention of T new queries (positions past .. past + T - 1) against S = past + T keys; past is
+// read from past_device (int32 on the device) when that is not null, when the kernel runs, so that one
+// captured graph serves every decode step over a cache allocated at its full length.
 // q element (t, h, d) at q[t * q_row + h * key_dim + d]; key (j, kh, d) at k[j * k_row + kh * k_head + d];
 // value (j, kh, d) at v[j * v_row + kh * v_head + d]; out [T, Hq * value_dim] contiguous. Query head h
 // reads key head h / (Hq / Hk). A query sees keys j <= its position and, with sliding_window > 0, j >
@@ -52,6 +56,7 @@ void rotary_forward(void* x, int64_t tokens, int64_t heads, int64_t head_stride,
 // Scores and softmax in float; out rounded to the dtype.
 struct AttentionArgs {
   int64_t tokens = 0, past = 0, query_heads = 0, key_heads = 0, key_dim = 0, value_dim = 0;
+  const int32_t* past_device = nullptr;
   int64_t q_row = 0, k_row = 0, k_head = 0, v_row = 0, v_head = 0;
   float scale = 1.0f;
   int64_t sliding_window = 0;
@@ -68,6 +73,12 @@ void attention_forward(const AttentionArgs& a, cudaStream_t stream);
 // dst_cols, starting at column dst_begin); elements of dtype.
 void copy_columns(const void* src, int64_t rows, int64_t src_cols, int64_t begin, int64_t end, void* dst,
                   int64_t dst_cols, int64_t dst_begin, DType dtype, cudaStream_t stream);
+
+// Copies src [rows, row_elements] into rows [first_row, first_row + rows) of dst (row_elements per row),
+// first_row read from first_row_device (int32 on the device) when the kernel runs: the KV cache append
+// of a captured decode step. The caller makes sure the rows fit.
+void write_rows_at(const void* src, int64_t rows, int64_t row_elements, void* dst, const int32_t* first_row_device,
+                   DType dtype, cudaStream_t stream);
 
 // Routers on the device (model/router.h gives the exact semantics, ties and NaN rules, which these
 // follow): logits [T, E] float -> ids [T, K] int64 (descending selection score), weights [T, K] float.
@@ -88,6 +99,13 @@ void route_forward(const RouterArgs& a, cudaStream_t stream);
 // Converts n float values to the dtype (rounding), or n dtype values to float.
 void float_to_dtype(const float* src, int64_t n, DType dtype, void* dst, cudaStream_t stream);
 void dtype_to_float(const void* src, int64_t n, DType dtype, float* dst, cudaStream_t stream);
+
+// out[0] = the first index of the largest of x[0, n) (float): NaN is never chosen unless every value is
+// NaN (then n - 1), as sampling.h's greedy pick_token; int32 on the device.
+void argmax_forward(const float* x, int64_t n, int32_t* out, cudaStream_t stream);
+
+// Sets n elements of dst to value: float32, int32 or int64 (value a whole number for those).
+void fill_forward(void* dst, int64_t n, DType dtype, double value, cudaStream_t stream);
 
 // Qwen2-MoE's shared-expert weight: w[t] = round(sigmoid(round(logit[t]))) in the dtype, as float.
 void sigmoid_gate_forward(const float* logits, int64_t tokens, DType dtype, float* weights, cudaStream_t stream);

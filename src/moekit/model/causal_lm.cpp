@@ -1,5 +1,7 @@
 // The decoder-only MoE language model: weights from one tensor list per layer, the forward step with its
-// KV cache, and generation. CPU; the experts of each MoE layer run through the backend its backbone names.
+// KV cache, and generation, on the CPU or a GPU; the experts of each MoE layer run through the backend its
+// backbone names. On a GPU the decode step is captured once into a CUDA graph and replayed for every later
+// token (see "Decode steps as one CUDA graph" below).
 //
 // A decoder layer (every supported model_type):
 //   h = h + o_proj(attention(input_layernorm(h)))
@@ -13,9 +15,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
 #include <random>
 #include <set>
 
+#include "moekit/device.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
 #include "moekit/model/checkpoint.h"
@@ -51,32 +57,42 @@ struct LayerWeights {
 
 // One layer's cache: per position, `first` then `second` values (keys and values of grouped-query
 // attention; MLA's latent and rotated key). On the CPU in float (holding values already rounded to the
-// dtype); on a GPU as [capacity, row] tensors of the dtype that double when full.
+// dtype), growing; on a GPU as [capacity, row] tensors of the dtype, allocated at their full length up
+// front (reset_cache) so that a captured decode step finds them at the same addresses on every replay.
 struct LayerCache {
   std::vector<float> first, second;
   Tensor first_device, second_device;
-  int64_t length = 0;  // positions held
 
-  void append(const Tensor& a, const Tensor& b) {
+  // a, b [T, row] at positions [row, row + T); on a GPU the kernels read row from row_device.
+  void append(const Tensor& a, const Tensor& b, int64_t row, const int32_t* row_device) {
     if (a.device().is_cuda()) {
-      for (auto [t, dst] : {std::pair{&a, &first_device}, std::pair{&b, &second_device}}) {
-        const int64_t needed = length + t->size(0);
-        if (!dst->defined() || dst->size(0) < needed) {
-          Tensor grown = Tensor::empty({std::max<int64_t>(needed, dst->defined() ? 2 * dst->size(0) : 256), t->size(1)},
-                                       t->dtype(), t->device());
-          if (length > 0) ops::write_rows(grown, 0, dst->slice(0, 0, length));
-          *dst = grown;
-        }
-        ops::write_rows(*dst, length, *t);
-      }
-    } else {
-      for (auto [t, dst] : {std::pair{&a, &first}, std::pair{&b, &second}}) {
-        const std::vector<float> values = ops::to_float_vector(*t);
-        dst->insert(dst->end(), values.begin(), values.end());
-      }
+      ops::write_rows(first_device, row, a, row_device);
+      ops::write_rows(second_device, row, b, row_device);
+      return;
     }
-    length += a.size(0);
+    for (auto [t, dst] : {std::pair{&a, &first}, std::pair{&b, &second}}) {
+      const std::vector<float> values = ops::to_float_vector(*t);
+      dst->insert(dst->end(), values.begin(), values.end());
+    }
   }
+};
+
+// A decode step captured into a CUDA graph, kept by the model so that later generate calls replay it too
+// while what it was captured with is unchanged.
+struct DecodeGraph {
+  std::map<std::string, std::string> backends;  // the experts backends of the captured step
+  std::vector<const void*> caches;              // the cache buffers its kernels write and read
+  std::unique_ptr<CapturedGraph> graph;
+  Tensor logits;                           // float32 [1, V] on the GPU, rewritten by each replay
+  std::vector<std::string> step_backends;  // last_step_backends of the captured step
+};
+
+// One generate call's decode phase on a GPU, as far as CUDA graphs go.
+struct DecodeRun {
+  bool graphs = false;           // still capturing or replaying; false: every step launches its kernels
+  std::size_t memory_bytes = 0;  // what the first (uncaptured) decode step allocated: the graph's memory
+  bool replayed = false;
+  std::string why_not;  // why the steps were not replayed (GenerationResult::decode_graph_reason)
 };
 
 // Tensors are read through this, which records what was used so that leftovers can be reported.
@@ -159,8 +175,19 @@ struct CausalLM::Impl {
   float scale = 1.0f;
   std::vector<LayerCache> cache;
   int64_t cached_positions = 0;
+  int64_t cache_capacity = 0;  // GPU: positions the cache buffers hold
   std::vector<std::string> last_step_backends;
   bool dequantize_experts = false;  // quantised experts turned into dtype at load
+  // GPU: the stream the decode step is captured and replayed on (ordered with the legacy default stream,
+  // where tensors are allocated and freed and steps are otherwise launched, so no synchronisation is
+  // needed between the two), the inputs of one-token steps in device memory, the captured decode step,
+  // and the last decode backends whose step could not be captured, with the reason.
+  std::unique_ptr<DeviceStream> stream;
+  Tensor decode_state;              // int32 [2]: the step's first position, then its token
+  std::vector<int32_t> state_host;  // the host side of the last copy into a step's inputs (kept until it ran)
+  std::unique_ptr<DecodeGraph> decode_graph;
+  std::map<std::string, std::string> uncapturable_backends;
+  std::string uncapturable_reason;
 
   Impl(const std::string& dir, const LoadOptions& options)
       : checkpoint(dir),
@@ -193,7 +220,11 @@ struct CausalLM::Impl {
       rotary.inv_freq_device = inv_freq.to(device);
     }
     scale = attention_scale(config);
-    reset_cache();
+    if (device.is_cuda()) {
+      stream = std::make_unique<DeviceStream>(device, /*ordered_with_default=*/true);
+      decode_state = Tensor::zeros({2}, DType::i32, device);
+    }
+    reset_cache(0);
   }
 
   void load_weights() {
@@ -343,9 +374,30 @@ struct CausalLM::Impl {
     }
   }
 
-  void reset_cache() {
-    cache.assign(layers.size(), LayerCache());
+  // Empties the cache. On a GPU its buffers hold `capacity` positions from then on (kept when they
+  // already hold as many, so that a captured decode step stays valid across generate calls).
+  void reset_cache(int64_t capacity) {
     cached_positions = 0;
+    if (!device.is_cuda()) {
+      cache.assign(layers.size(), LayerCache());
+      return;
+    }
+    cache.resize(layers.size());
+    if (capacity <= cache_capacity) return;
+    // Positions reach the kernels as int32 (the step's inputs in device memory).
+    MOEKIT_CHECK(capacity <= std::numeric_limits<int32_t>::max(), "the KV cache cannot hold ", capacity,
+                 " positions (at most 2^31 - 1)");
+    const ModelConfig& c = config;
+    const bool mla = c.model_type == "deepseek_v3";
+    const int64_t first_row = mla ? c.kv_lora_rank : c.num_key_value_heads * c.head_dim;
+    const int64_t second_row = mla ? c.qk_rope_head_dim : c.num_key_value_heads * c.head_dim;
+    for (LayerCache& lc : cache) {
+      lc.first_device = Tensor();  // free the old buffers before the new ones are allocated
+      lc.second_device = Tensor();
+      lc.first_device = Tensor::empty({capacity, first_row}, dtype, device);
+      lc.second_device = Tensor::empty({capacity, second_row}, dtype, device);
+    }
+    cache_capacity = capacity;
   }
 
   // T new queries at the cache's next positions, with the model's attention scale.
@@ -362,8 +414,9 @@ struct CausalLM::Impl {
     return s;
   }
 
-  // Grouped-query attention of x [T, H]; appends the new keys and values to the layer's cache.
-  Tensor gqa(const AttentionWeights& a, const Tensor& x, LayerCache& lc) const {
+  // Grouped-query attention of x [T, H]; appends the new keys and values to the layer's cache. position:
+  // GPU, the step's first position in device memory.
+  Tensor gqa(const AttentionWeights& a, const Tensor& x, LayerCache& lc, const int32_t* position) const {
     const ModelConfig& c = config;
     const int64_t T = x.size(0), Hq = c.num_attention_heads, Hk = c.num_key_value_heads, hd = c.head_dim;
     Tensor q = ops::linear(x, a.q_proj, a.q_bias);
@@ -377,13 +430,14 @@ struct CausalLM::Impl {
     if (c.clip_qkv > 0) {
       for (Tensor* t : {&q, &k, &v}) ops::clamp_in_place(*t, static_cast<float>(c.clip_qkv));
     }
-    ops::apply_rotary(q, Hq, hd, 0, rotary, cached_positions);
-    ops::apply_rotary(k, Hk, hd, 0, rotary, cached_positions);
-    lc.append(k, v);
+    ops::apply_rotary(q, Hq, hd, 0, rotary, cached_positions, position);
+    ops::apply_rotary(k, Hk, hd, 0, rotary, cached_positions, position);
+    lc.append(k, v, cached_positions, position);
     ops::AttentionShape s = attention_shape(T, Hq, Hk, hd, hd);
     s.sliding_window = a.sliding_window;
     if (device.is_cuda()) {
       s.sinks = a.sinks_device.defined() ? a.sinks_device.data_as<float>() : nullptr;
+      s.past_device = position;  // the kernel loops over the keys up to it, in buffers of full length
       const Tensor out = ops::attention(q, lc.first_device, Hk * hd, hd, lc.second_device, Hk * hd, hd, s);
       return ops::linear(out, a.o_proj, a.o_bias);
     }
@@ -393,20 +447,21 @@ struct CausalLM::Impl {
     return ops::linear(out, a.o_proj, a.o_bias);
   }
 
-  // DeepSeek-V3's multi-head latent attention of x [T, H].
-  Tensor mla(const AttentionWeights& a, const Tensor& x, LayerCache& lc) const {
+  // DeepSeek-V3's multi-head latent attention of x [T, H]. Its GPU path sizes tensors by the cache length
+  // (every cached latent is expanded each step), so it is never captured: see decode_graph_refusal.
+  Tensor mla(const AttentionWeights& a, const Tensor& x, LayerCache& lc, const int32_t* position) const {
     const ModelConfig& c = config;
     const int64_t T = x.size(0), Hq = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim,
                   vd = c.v_head_dim, rank = c.kv_lora_rank, qk = nope + rope;
     Tensor q = a.q_a_proj.defined()
                    ? ops::linear(ops::rms_norm(ops::linear(x, a.q_a_proj), a.q_a_norm, c.rms_norm_eps), a.q_b_proj)
                    : ops::linear(x, a.q_proj);
-    ops::apply_rotary(q, Hq, qk, nope, rotary, cached_positions);
+    ops::apply_rotary(q, Hq, qk, nope, rotary, cached_positions, position);
     const Tensor compressed = ops::linear(x, a.kv_a_proj);
     const Tensor latent = ops::rms_norm(ops::columns(compressed, 0, rank), a.kv_a_norm, c.rms_norm_eps);
     Tensor k_rot = ops::columns(compressed, rank, rank + rope);
-    ops::apply_rotary(k_rot, 1, rope, 0, rotary, cached_positions);
-    lc.append(latent, k_rot);
+    ops::apply_rotary(k_rot, 1, rope, 0, rotary, cached_positions, position);
+    lc.append(latent, k_rot, cached_positions, position);
 
     const int64_t S = cached_positions + T;
     ops::AttentionShape s = attention_shape(T, Hq, Hq, qk, vd);
@@ -446,20 +501,49 @@ struct CausalLM::Impl {
     return ops::linear(out, a.o_proj);
   }
 
-  // Runs tokens at the next positions of the cache; returns the logits of the last `logit_rows` tokens
-  // as float32 [rows, V].
+  // Runs tokens at the next positions of the cache; returns the float32 logits of the last `logit_rows`
+  // tokens [rows, V], on the model's device.
   Tensor step(std::span<const int32_t> tokens, int64_t logit_rows) {
-    const ModelConfig& c = config;
+    const Tensor inputs = write_step_inputs(tokens);
+    Tensor logits = run_step(tokens, inputs, logit_rows);
+    cached_positions += static_cast<int64_t>(tokens.size());
+    return logits;
+  }
+
+  // Checks the tokens and the room left in the cache. On a GPU, returns the step's inputs as its kernels
+  // read them: int32 [1 + T] in device memory, the step's first position (the positions cached) then the
+  // ids, written by one copy on the model's stream; one-token steps always use decode_state, the inputs
+  // of a captured decode step.
+  Tensor write_step_inputs(std::span<const int32_t> tokens) {
     const int64_t T = static_cast<int64_t>(tokens.size());
     MOEKIT_CHECK(T > 0, "forward: no tokens");
+    ops::check_token_ids(tokens, config.vocab_size);
+    if (!device.is_cuda()) return Tensor();
+    MOEKIT_CHECK(cached_positions + T <= cache_capacity, "the KV cache holds ", cache_capacity, " positions; ",
+                 cached_positions, " are used and the step brings ", T, " more");
+    state_host.assign(1, static_cast<int32_t>(cached_positions));
+    state_host.insert(state_host.end(), tokens.begin(), tokens.end());
+    Tensor inputs = T == 1 ? decode_state : Tensor::empty({1 + T}, DType::i32, device);
+    copy_into(inputs, Tensor::from_blob(state_host.data(), {1 + T}, DType::i32), *stream);
+    return inputs;
+  }
+
+  // The forward step itself, from the embedding to the logits, without moving cached_positions. On a GPU
+  // it reads the tokens and the first position from `inputs` (write_step_inputs), so that the same
+  // launches, captured once, serve every decode step; only tokens.size() is used there.
+  Tensor run_step(std::span<const int32_t> tokens, const Tensor& inputs, int64_t logit_rows) {
+    const ModelConfig& c = config;
+    const int64_t T = static_cast<int64_t>(tokens.size());
     const std::string& backend = experts_implementation.of("");
     last_step_backends.clear();
-    Tensor h = ops::embedding(embed_tokens, tokens);
+    const int32_t* position = inputs.defined() ? inputs.data_as<int32_t>() : nullptr;
+    Tensor h = inputs.defined() ? ops::embedding(embed_tokens, inputs.slice(0, 1, 1 + T))
+                                : ops::embedding(embed_tokens, tokens);
     for (std::size_t i = 0; i < layers.size(); ++i) {
       const LayerWeights& l = layers[i];
       const Tensor x = ops::rms_norm(h, l.input_norm, c.rms_norm_eps);
-      const Tensor attn = c.model_type == "deepseek_v3" ? mla(l.attention, x, cache[i])
-                                                         : gqa(l.attention, x, cache[i]);
+      const Tensor attn = c.model_type == "deepseek_v3" ? mla(l.attention, x, cache[i], position)
+                                                        : gqa(l.attention, x, cache[i], position);
       ops::add_in_place(h, attn);
       const Tensor y = ops::rms_norm(h, l.post_attention_norm, c.rms_norm_eps);
       Tensor mlp;
@@ -471,11 +555,123 @@ struct CausalLM::Impl {
       }
       ops::add_in_place(h, mlp);
     }
-    cached_positions += T;
     const Tensor last = logit_rows == T ? h : h.slice(0, T - logit_rows, T);  // whole rows: contiguous
-    Tensor logits = ops::linear(ops::rms_norm(last, final_norm, c.rms_norm_eps), lm_head);
-    if (logits.device().is_cuda()) logits = logits.to(Device::cpu());  // sampling runs on the host
-    return logits.dtype() == DType::f32 ? logits : logits.to(DType::f32);
+    const Tensor logits = ops::linear(ops::rms_norm(last, final_norm, c.rms_norm_eps), lm_head);
+    return logits.dtype() == DType::f32 ? logits : ops::convert(logits, DType::f32);  // exact: a widening
+  }
+
+  // Blocks until the model's queued work is done.
+  void synchronize() const { moekit::synchronize(device); }
+
+  // The next token from float32 logits [1, V] on the model's device, with one synchronisation: on a GPU
+  // a greedy pick runs there and only the index comes back; sampling reads the row. kept: where to append
+  // the row (GenerationConfig::output_logits), or null.
+  int32_t pick(const Tensor& logits, const GenerationConfig& g, std::mt19937_64& rng, std::vector<float>* kept) {
+    const int64_t V = logits.numel();
+    if (!device.is_cuda()) {
+      const std::span<const float> row(logits.data_as<float>(), static_cast<std::size_t>(V));
+      if (kept) kept->insert(kept->end(), row.begin(), row.end());
+      return pick_token(row, g, rng);
+    }
+    // Copies to the host wait for the work queued before them, the graph's replays included.
+    const Tensor row = g.do_sample || kept ? logits.to(Device::cpu()) : Tensor();
+    const Tensor index = g.do_sample ? Tensor() : ops::argmax(logits).to(Device::cpu());
+    const std::span<const float> values =
+        row.defined() ? std::span<const float>(row.data_as<float>(), V) : std::span<const float>();
+    if (kept) kept->insert(kept->end(), values.begin(), values.end());
+    return g.do_sample ? pick_token(values, g, rng) : index.data_as<int32_t>()[0];
+  }
+
+  // ---- Decode steps as one CUDA graph ----
+  // A decode step launches dozens of small kernels; on a GPU they are captured once into a CUDA graph and
+  // the graph is replayed for every later token, so that decode is no longer bound by launching them.
+  // The graph stays valid from step to step because nothing it launches depends on the step: the token
+  // and the first position come from decode_state (written by one copy before each replay), the kernels
+  // read the position from there (rotary angles, the row the keys and values go to, how many keys
+  // attention loops over), the cache buffers are allocated at full length up front, and the tensors the
+  // step makes come from memory that the graph owns (CapturedGraph's memory), sized by the first decode
+  // step, which runs uncaptured under a DeviceAllocationCounter. The second step is captured (on the
+  // model's stream: the legacy default stream, where steps are otherwise launched, cannot be); the replays
+  // run the same kernels with the same arguments as launching them would, so outputs are bitwise the
+  // same. Whether a step can be captured is found out by trying: a backend that synchronises (eager reads
+  // its counts back) makes the capture fail, and generation goes on launching kernels (also on later
+  // calls with the same backends), with the reason in GenerationResult::decode_graph_reason.
+
+  // Why the decode steps of this model cannot be captured whatever the backend, or "".
+  std::string decode_graph_refusal() const {
+    if (!device.is_cuda()) return "the model runs on the CPU";
+    if (config.model_type == "deepseek_v3")
+      return "deepseek_v3's latent attention expands every cached latent each step, so the step's sizes grow "
+             "with the cache";
+    return "";
+  }
+
+  std::vector<const void*> cache_buffers() const {
+    std::vector<const void*> buffers;
+    for (const LayerCache& lc : cache) {
+      buffers.push_back(lc.first_device.data());
+      buffers.push_back(lc.second_device.data());
+    }
+    return buffers;
+  }
+
+  DecodeRun start_decode(const GenerationConfig& g) {
+    DecodeRun run;
+    if (!g.decode_graph) {
+      run.why_not = "GenerationConfig::decode_graph is false";
+    } else if (const std::string refusal = decode_graph_refusal(); !refusal.empty()) {
+      run.why_not = refusal;
+    } else if (!uncapturable_reason.empty() && uncapturable_backends == experts_implementation.get()) {
+      run.why_not = uncapturable_reason;
+    } else {
+      run.graphs = true;
+    }
+    return run;
+  }
+
+  // One decode step for `token`: replayed, captured, measured or launched (see above).
+  Tensor decode(int32_t token, DecodeRun& run) {
+    const std::span<const int32_t> tokens(&token, 1);
+    if (!run.graphs) return step(tokens, 1);
+    if (decode_graph && decode_graph->backends == experts_implementation.get() &&
+        decode_graph->caches == cache_buffers())
+      return replay(tokens, run);
+    if (run.memory_bytes == 0) {
+      const DeviceAllocationCounter counter(device);
+      Tensor logits = step(tokens, 1);
+      run.memory_bytes = counter.bytes();
+      return logits;
+    }
+    const Tensor inputs = write_step_inputs(tokens);
+    auto captured = std::make_unique<DecodeGraph>();
+    try {
+      // The legacy default stream, where steps are otherwise launched, cannot be captured.
+      const ops::StreamScope on_model_stream(stream->stream());
+      captured->graph = std::make_unique<CapturedGraph>(
+          *stream, [&] { captured->logits = run_step(tokens, inputs, 1); }, run.memory_bytes);
+    } catch (const Error& e) {
+      // Nothing ran and nothing moved (the capture only recorded): launch this step and the next ones.
+      run.graphs = false;
+      uncapturable_backends = experts_implementation.get();
+      uncapturable_reason = "the decode step with experts " + experts_implementation_text(uncapturable_backends) +
+                            " could not be captured: " + e.what();
+      run.why_not = uncapturable_reason;
+      return step(tokens, 1);
+    }
+    captured->backends = experts_implementation.get();
+    captured->caches = cache_buffers();
+    captured->step_backends = last_step_backends;
+    decode_graph = std::move(captured);
+    return replay(tokens, run);
+  }
+
+  Tensor replay(std::span<const int32_t> tokens, DecodeRun& run) {
+    write_step_inputs(tokens);  // into decode_state, which the graph reads
+    decode_graph->graph->replay();
+    cached_positions += 1;
+    last_step_backends = decode_graph->step_backends;
+    run.replayed = true;
+    return decode_graph->logits;
   }
 };
 
@@ -499,9 +695,11 @@ std::map<std::string, std::string> CausalLM::get_experts_implementation() const 
 }
 
 Tensor CausalLM::forward(std::span<const int32_t> tokens) {
-  impl_->reset_cache();
-  Tensor logits = impl_->step(tokens, static_cast<int64_t>(tokens.size()));
-  impl_->reset_cache();
+  Impl& m = *impl_;
+  m.reset_cache(static_cast<int64_t>(tokens.size()));
+  Tensor logits = m.step(tokens, static_cast<int64_t>(tokens.size()));
+  if (logits.device().is_cuda()) logits = logits.to(Device::cpu());
+  m.reset_cache(0);
   return logits;
 }
 
@@ -509,14 +707,18 @@ GenerationResult CausalLM::generate(std::span<const int32_t> prompt, const Gener
   MOEKIT_CHECK(!prompt.empty(), "generate: the prompt has no tokens");
   validate_generation_config(config);
   Impl& m = *impl_;
-  m.reset_cache();
+  // Every position of the generation: the prompt and the new tokens but the last (never run).
+  m.reset_cache(static_cast<int64_t>(prompt.size()) + std::max<int64_t>(config.max_new_tokens - 1, 0));
   GenerationResult result;
   std::mt19937_64 rng(config.seed);
+  std::vector<float> kept_logits;
+  std::vector<float>* kept = config.output_logits ? &kept_logits : nullptr;
   using Clock = std::chrono::steady_clock;
 
   result.prefill_backends = m.experts_implementation.get();
   auto start = Clock::now();
   Tensor logits = m.step(prompt, 1);
+  m.synchronize();
   result.prefill_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   result.prefill_tokens = static_cast<int64_t>(prompt.size());
   result.stop_reason = "max new tokens";
@@ -524,9 +726,10 @@ GenerationResult CausalLM::generate(std::span<const int32_t> prompt, const Gener
 
   DecodePhaseSwitch decode_phase(m.experts_implementation, config.decode_phase_switch ? m.device : Device::cpu());
   result.decode_backends = m.experts_implementation.get();
+  DecodeRun run = m.start_decode(config);
   start = Clock::now();
   while (true) {
-    const int32_t token = pick_token({logits.data_as<float>(), static_cast<std::size_t>(logits.numel())}, config, rng);
+    const int32_t token = m.pick(logits, config, rng, kept);
     result.tokens.push_back(token);
     if (config.on_token) config.on_token(token);
     if (std::find(config.stop_tokens.begin(), config.stop_tokens.end(), token) != config.stop_tokens.end()) {
@@ -534,10 +737,20 @@ GenerationResult CausalLM::generate(std::span<const int32_t> prompt, const Gener
       break;
     }
     if (static_cast<int64_t>(result.tokens.size()) >= config.max_new_tokens) break;
-    logits = m.step(std::span<const int32_t>(&token, 1), 1);
+    logits = m.decode(token, run);
     ++result.decode_tokens;
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  result.decode_graph = run.replayed;
+  if (!run.replayed)
+    result.decode_graph_reason = !run.why_not.empty() ? run.why_not
+                                                      : "generation ended before a decode step was captured (the "
+                                                        "first decode step runs uncaptured to size the graph)";
+  if (kept) {
+    const auto rows = static_cast<int64_t>(result.tokens.size());
+    result.logits = Tensor::empty({rows, m.config.vocab_size}, DType::f32);
+    std::copy(kept_logits.begin(), kept_logits.end(), result.logits.data_as<float>());
+  }
   return result;
 }
 

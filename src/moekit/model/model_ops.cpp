@@ -29,9 +29,12 @@ void check_same_device(const Tensor& a, const Tensor& b, const char* op, const c
                device_name(a.device()));
 }
 
-// The CUDA kernels take the default stream: the model runtime orders everything on it.
+thread_local Stream stream_of_thread;  // StreamScope's; null: the legacy default stream
+
 #if MOEKIT_HAS_CUDA
-constexpr cudaStream_t kStream = nullptr;
+cudaStream_t cuda_stream() {
+  return static_cast<cudaStream_t>(stream_of_thread.handle);
+}
 #endif
 
 #if !MOEKIT_HAS_CUDA
@@ -60,6 +63,16 @@ const float* weight_as_f32(const Tensor& w) {
 
 }  // namespace
 
+StreamScope::StreamScope(Stream stream) : previous_(stream_of_thread) {
+  stream_of_thread = stream;
+}
+StreamScope::~StreamScope() {
+  stream_of_thread = previous_;
+}
+Stream current_stream() {
+  return stream_of_thread;
+}
+
 std::vector<float> to_float_vector(const Tensor& x_any) {
   check_contiguous(x_any, "to_float_vector", "x");
   const Tensor x = x_any.device().is_cpu() ? x_any : x_any.to(Device::cpu());
@@ -72,31 +85,43 @@ std::vector<float> to_float_vector(const Tensor& x_any) {
   return out;
 }
 
+void check_token_ids(std::span<const int32_t> ids, int64_t vocab) {
+  for (std::size_t t = 0; t < ids.size(); ++t)
+    MOEKIT_CHECK(ids[t] >= 0 && ids[t] < vocab, "token id ", ids[t], " at position ", t,
+                 " is outside the vocabulary [0, ", vocab, ")");
+}
+
 Tensor embedding(const Tensor& table, std::span<const int32_t> ids) {
   check_contiguous(table, "embedding", "table");
   MOEKIT_CHECK(table.dim() == 2, "embedding: table must be [V, H], got ", table.describe());
-  const int64_t V = table.size(0), H = table.size(1), T = static_cast<int64_t>(ids.size());
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t id = ids[static_cast<std::size_t>(t)];
-    MOEKIT_CHECK(id >= 0 && id < V, "token id ", id, " at position ", t, " is outside the vocabulary [0, ", V, ")");
-  }
+  check_token_ids(ids, table.size(0));
+  const Tensor host_ids =
+      Tensor::from_blob(const_cast<int32_t*>(ids.data()), {static_cast<int64_t>(ids.size())}, DType::i32);
+  return embedding(table, table.device().is_cuda() ? host_ids.to(table.device()) : host_ids);
+}
+
+Tensor embedding(const Tensor& table, const Tensor& ids) {
+  check_contiguous(table, "embedding", "table");
+  check_same_device(table, ids, "embedding", "ids");
+  MOEKIT_CHECK(table.dim() == 2, "embedding: table must be [V, H], got ", table.describe());
+  MOEKIT_CHECK(ids.dim() == 1 && ids.dtype() == DType::i32 && ids.is_contiguous(),
+               "embedding: ids must be a contiguous i32 [T], got ", ids.describe());
+  const int64_t T = ids.size(0), H = table.size(1);
   Tensor out = Tensor::empty({T, H}, table.dtype(), table.device());
   if (table.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
-    const Tensor device_ids =
-        Tensor::from_blob(const_cast<int32_t*>(ids.data()), {T}, DType::i32).to(table.device());
-    cuda::embedding_forward(table.data(), device_ids.data_as<int32_t>(), T, H, table.dtype(), out.data(), kStream);
+    cuda::embedding_forward(table.data(), ids.data_as<int32_t>(), T, H, table.dtype(), out.data(), cuda_stream());
     return out;
 #else
     no_cuda("embedding");
 #endif
   }
+  const int32_t* id = ids.data_as<int32_t>();
+  check_token_ids({id, static_cast<std::size_t>(T)}, table.size(0));
   const std::size_t row = static_cast<std::size_t>(H) * dtype_size(table.dtype());
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t id = ids[static_cast<std::size_t>(t)];
+  for (int64_t t = 0; t < T; ++t)
     std::memcpy(static_cast<unsigned char*>(out.data()) + static_cast<std::size_t>(t) * row,
-                static_cast<const unsigned char*>(table.data()) + static_cast<std::size_t>(id) * row, row);
-  }
+                static_cast<const unsigned char*>(table.data()) + static_cast<std::size_t>(id[t]) * row, row);
   return out;
 }
 
@@ -110,7 +135,8 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   Tensor out = Tensor::empty({R, D}, x.dtype(), x.device());
   if (x.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
-    cuda::rms_norm_forward(x.data(), weight.data(), R, D, static_cast<float>(eps), x.dtype(), out.data(), kStream);
+    cuda::rms_norm_forward(x.data(), weight.data(), R, D, static_cast<float>(eps), x.dtype(), out.data(),
+                           cuda_stream());
     return out;
 #else
     no_cuda("rms_norm");
@@ -203,8 +229,8 @@ Tensor linear_f32(const Tensor& x, const Tensor& weight) {
   if (x.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
     Tensor workspace = linear_workspace(x, N);
-    cuda::linear_forward_f32(x.data(), weight.data(), T, x.size(1), N, x.dtype(), out.data_as<float>(), workspace.data(),
-                             kStream);
+    cuda::linear_forward_f32(x.data(), weight.data(), T, x.size(1), N, x.dtype(), out.data_as<float>(),
+                             workspace.data(), cuda_stream());
     return out;
 #else
     no_cuda("linear_f32");
@@ -223,7 +249,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     Tensor out = Tensor::empty({T, N}, x.dtype(), x.device());
     Tensor workspace = linear_workspace(x, N);
     cuda::linear_forward(x.data(), weight.data(), bias.defined() ? bias.data() : nullptr, T, x.size(1), N, x.dtype(),
-                         out.data(), workspace.data(), kStream);
+                         out.data(), workspace.data(), cuda_stream());
     return out;
 #else
     no_cuda("linear");
@@ -252,7 +278,7 @@ void add_in_place(Tensor& h, const Tensor& a) {
                a.describe(), " differ");
   if (h.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
-    cuda::add_in_place(h.data(), a.data(), h.numel(), h.dtype(), kStream);
+    cuda::add_in_place(h.data(), a.data(), h.numel(), h.dtype(), cuda_stream());
     return;
 #else
     no_cuda("add_in_place");
@@ -271,7 +297,7 @@ void clamp_in_place(Tensor& x, float limit) {
   check_contiguous(x, "clamp_in_place", "x");
   if (x.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
-    cuda::clamp_in_place(x.data(), x.numel(), limit, x.dtype(), kStream);
+    cuda::clamp_in_place(x.data(), x.numel(), limit, x.dtype(), cuda_stream());
     return;
 #else
     no_cuda("clamp_in_place");
@@ -292,7 +318,8 @@ Tensor columns(const Tensor& x, int64_t begin, int64_t end) {
   if (x.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
     Tensor out = Tensor::empty({x.size(0), end - begin}, x.dtype(), x.device());
-    cuda::copy_columns(x.data(), x.size(0), x.size(1), begin, end, out.data(), end - begin, 0, x.dtype(), kStream);
+    cuda::copy_columns(x.data(), x.size(0), x.size(1), begin, end, out.data(), end - begin, 0, x.dtype(),
+                       cuda_stream());
     return out;
 #else
     no_cuda("columns");
@@ -313,7 +340,7 @@ void copy_columns(const Tensor& src, int64_t begin, int64_t end, Tensor& dst, in
   if (dst.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
     cuda::copy_columns(src.data(), src.size(0), src.size(1), begin, end, dst.data(), dst.size(1), dst_begin,
-                       dst.dtype(), kStream);
+                       dst.dtype(), cuda_stream());
     return;
 #else
     no_cuda("copy_columns");
@@ -326,7 +353,7 @@ void copy_columns(const Tensor& src, int64_t begin, int64_t end, Tensor& dst, in
                 static_cast<std::size_t>(end - begin) * es);
 }
 
-void write_rows(Tensor& dst, int64_t row, const Tensor& src) {
+void write_rows(Tensor& dst, int64_t row, const Tensor& src, const int32_t* row_device) {
   check_contiguous(dst, "write_rows", "dst");
   check_contiguous(src, "write_rows", "src");
   check_same_device(dst, src, "write_rows", "src");
@@ -335,11 +362,16 @@ void write_rows(Tensor& dst, int64_t row, const Tensor& src) {
                "write_rows: ", src.describe(), " at row ", row, " of ", dst.describe());
   if (dst.device().is_cuda()) {
 #if MOEKIT_HAS_CUDA
+    if (row_device != nullptr) {
+      cuda::write_rows_at(src.data(), src.size(0), src.size(1), dst.data(), row_device, dst.dtype(), cuda_stream());
+      return;
+    }
     const int64_t n = src.numel();
     // One row of n elements, written at element row * C of dst.
-    cuda::copy_columns(src.data(), 1, n, 0, n, dst.data(), dst.numel(), row * dst.size(1), dst.dtype(), kStream);
+    cuda::copy_columns(src.data(), 1, n, 0, n, dst.data(), dst.numel(), row * dst.size(1), dst.dtype(), cuda_stream());
     return;
 #else
+    (void)row_device;
     no_cuda("write_rows");
 #endif
   }
@@ -357,9 +389,9 @@ Tensor convert(const Tensor& x, DType dtype) {
                dtype_name(dtype), " (one side must be f32)");
   Tensor out = Tensor::empty(x.shape(), dtype, x.device());
   if (x.dtype() == DType::f32) {
-    cuda::float_to_dtype(x.data_as<float>(), x.numel(), dtype, out.data(), kStream);
+    cuda::float_to_dtype(x.data_as<float>(), x.numel(), dtype, out.data(), cuda_stream());
   } else {
-    cuda::dtype_to_float(x.data(), x.numel(), x.dtype(), out.data_as<float>(), kStream);
+    cuda::dtype_to_float(x.data(), x.numel(), x.dtype(), out.data_as<float>(), cuda_stream());
   }
   return out;
 #else
@@ -392,7 +424,7 @@ RouterOutput route_on_device(const Tensor& logits, const RouterConfig& config, c
   }
   a.ids = out.top_k_index.data_as<int64_t>();
   a.weights = out.top_k_weights.data_as<float>();
-  if (T > 0) cuda::route_forward(a, kStream);
+  if (T > 0) cuda::route_forward(a, cuda_stream());
   return out;
 #else
   (void)correction_bias;
@@ -405,7 +437,8 @@ Tensor sigmoid_gate(const Tensor& logits_f32, DType dtype) {
   MOEKIT_CHECK(logits_f32.device().is_cuda() && logits_f32.dtype() == DType::f32, "sigmoid_gate: expected f32 ",
                "logits on a GPU, got ", logits_f32.describe());
   Tensor out = Tensor::empty({logits_f32.numel()}, DType::f32, logits_f32.device());
-  cuda::sigmoid_gate_forward(logits_f32.data_as<float>(), logits_f32.numel(), dtype, out.data_as<float>(), kStream);
+  cuda::sigmoid_gate_forward(logits_f32.data_as<float>(), logits_f32.numel(), dtype, out.data_as<float>(),
+                             cuda_stream());
   return out;
 #else
   (void)logits_f32;
@@ -414,8 +447,39 @@ Tensor sigmoid_gate(const Tensor& logits_f32, DType dtype) {
 #endif
 }
 
+Tensor full(const Shape& shape, DType dtype, double value, Device device) {
+  Tensor out = Tensor::empty(shape, dtype, device);
+  if (device.is_cuda()) {
+#if MOEKIT_HAS_CUDA
+    cuda::fill_forward(out.data(), out.numel(), dtype, value, cuda_stream());
+    return out;
+#else
+    no_cuda("full");
+#endif
+  }
+  visit_dtype_among<float, int32_t, int64_t>(dtype, "f32, i32 or i64 (full)", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    std::fill(out.data_as<T>(), out.data_as<T>() + out.numel(), static_cast<T>(value));
+  });
+  return out;
+}
+
+Tensor argmax(const Tensor& logits) {
+  MOEKIT_CHECK(logits.device().is_cuda() && logits.dtype() == DType::f32 && logits.is_contiguous() &&
+                   logits.numel() > 0 && (logits.dim() == 1 || (logits.dim() == 2 && logits.size(0) == 1)),
+               "argmax: expected float32 logits [1, V] on a GPU (the CPU picks with pick_token), got ",
+               logits.describe());
+#if MOEKIT_HAS_CUDA
+  Tensor out = Tensor::empty({1}, DType::i32, logits.device());
+  cuda::argmax_forward(logits.data_as<float>(), logits.numel(), out.data_as<int32_t>(), cuda_stream());
+  return out;
+#else
+  no_cuda("argmax");
+#endif
+}
+
 void apply_rotary(Tensor& x, int64_t heads, int64_t head_stride, int64_t offset, const RotaryTables& rope,
-                  int64_t positions_begin) {
+                  int64_t positions_begin, const int32_t* positions_begin_device) {
   check_contiguous(x, "apply_rotary", "x");
   const int64_t half = static_cast<int64_t>(rope.inv_freq.size()), T = x.size(0);
   MOEKIT_CHECK(x.dim() == 2 && x.size(1) == heads * head_stride && offset + 2 * half <= head_stride,
@@ -426,9 +490,11 @@ void apply_rotary(Tensor& x, int64_t heads, int64_t head_stride, int64_t offset,
     MOEKIT_CHECK(rope.inv_freq_device.defined() && rope.inv_freq_device.device() == x.device(),
                  "apply_rotary: the rotary tables have no copy on ", device_name(x.device()));
     cuda::rotary_forward(x.data(), T, heads, head_stride, offset, half, rope.inv_freq_device.data_as<float>(),
-                         rope.attention_factor, rope.interleaved, positions_begin, x.dtype(), kStream);
+                         rope.attention_factor, rope.interleaved, positions_begin, positions_begin_device, x.dtype(),
+                         cuda_stream());
     return;
 #else
+    (void)positions_begin_device;
     no_cuda("apply_rotary");
 #endif
   }
@@ -518,6 +584,7 @@ Tensor attention(const Tensor& q, const Tensor& k, int64_t k_row, int64_t k_head
   cuda::AttentionArgs a;
   a.tokens = s.tokens;
   a.past = s.past;
+  a.past_device = s.past_device;
   a.query_heads = s.query_heads;
   a.key_heads = s.key_heads;
   a.key_dim = s.key_dim;
@@ -535,7 +602,7 @@ Tensor attention(const Tensor& q, const Tensor& k, int64_t k_row, int64_t k_head
   a.k = k.data();
   a.v = v.data();
   a.out = out.data();
-  cuda::attention_forward(a, kStream);
+  cuda::attention_forward(a, cuda_stream());
   return out;
 #else
   (void)k_row;

@@ -93,17 +93,17 @@ Tensor one_expert_forward(const Tensor& hidden, const Tensor& gate_proj, const T
   p.gate_up_proj = *std::static_pointer_cast<Tensor>(fused);
   p.down_proj = (down_proj.is_contiguous() ? down_proj : down_proj.contiguous()).reshape({1, H, Is});
 
-  p.top_k_index = Tensor::zeros({T, 1}, DType::i64, device);
+  // Made by kernels on the model's stream, not copied from the host: a decode step captured in a CUDA
+  // graph must not touch the default stream.
+  p.top_k_index = model_ops::full({T, 1}, DType::i64, 0, device);
   if (device.is_cuda()) {
     if (gate_weight.defined()) {
       check_shape(gate_weight, "shared_expert_gate", {1, H}, device);
       p.top_k_weights = model_ops::sigmoid_gate(model_ops::linear_f32(hidden, gate_weight), hidden.dtype()).reshape({T, 1});
     } else {
-      Tensor ones = Tensor::empty({T, 1}, DType::f32);
-      std::fill(ones.data_as<float>(), ones.data_as<float>() + T, 1.0f);
-      p.top_k_weights = ones.to(device);
+      p.top_k_weights = model_ops::full({T, 1}, DType::f32, 1, device);
     }
-    return experts_forward(p, backend);
+    return experts_forward(p, backend, Tensor(), model_ops::current_stream());
   }
   p.top_k_weights = Tensor::empty({T, 1}, DType::f32);
   float* weights = p.top_k_weights.data_as<float>();
@@ -170,7 +170,7 @@ Tensor moe_block_forward(const Tensor& hidden, const MoeBlockWeights& w, const R
   p.gate_up_proj_scale_inv = w.experts.gate_up_proj_scale_inv;
   p.down_proj_scale_inv = w.experts.down_proj_scale_inv;
   p.config = experts_config;
-  Tensor out = experts_forward(p, backend);
+  Tensor out = experts_forward(p, backend, Tensor(), model_ops::current_stream());
   if (!shared) return out;
 
   const Tensor shared_out = one_expert_forward(x, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj,
