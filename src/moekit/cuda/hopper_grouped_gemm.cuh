@@ -15,7 +15,10 @@
 // kGatherA (sonicmoe's first projection): instead of a TMA copy of a permuted row buffer, the whole
 // producer warpgroup gathers each tile's token rows straight from the hidden states with 16-byte
 // cp.async copies into the same swizzled layout, completing on the same "full" barrier.
-// With padded_pair set, the store_rows epilogue multiplies each row by its pair's routing weight.
+// With weight_rows set, the store_rows epilogue multiplies each row by its pair's routing weight.
+// kFp8 (deepgemm's FP8 experts): e4m3 operands with block scales, promoted per 128-deep block (see the
+// kernel); the first projection's epilogue then stores float, which a separate pass quantises.
+// Epilogues with 2-byte outputs store 16-byte row pieces (store_group_pair).
 // CUTLASS/CuTe supply the instruction wrappers (TMA copies, mbarriers, wgmma, register
 // reconfiguration); the schedule, the fused epilogues and the layouts are ours.
 #pragma once
