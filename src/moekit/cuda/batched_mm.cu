@@ -315,20 +315,16 @@ __global__ void __launch_bounds__(128) quantize_rows_kernel(const S* src, int64_
   float* out = dst + blockIdx.x * n;
   for (int64_t g0 = static_cast<int64_t>(warp) * 128; g0 < n; g0 += 4 * 128) {
     float v[4];
-    float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t j = g0 + lane + 32 * i;
       v[i] = j < n ? to_f(row[j]) : 0.0f;
-      amax = fmaxf(amax, fabsf(v[i]));
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = activation_scale(amax, power_of_two);
+    const float scale = quantize_group_lanes(v, power_of_two);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int64_t j = g0 + lane + 32 * i;
-      if (j < n) out[j] = __fmul_rn(e4m3_value(__fdiv_rn(v[i], scale)), scale);
+      if (j < n) out[j] = __fmul_rn(v[i], scale);
     }
   }
 }

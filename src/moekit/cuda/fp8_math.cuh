@@ -32,6 +32,21 @@ __device__ __forceinline__ float activation_scale(float amax, bool power_of_two)
   return __uint_as_float(code << 23);
 }
 
+// A warp's 128-wide activation group, 4 values a lane (any assignment of the 128 values to lanes and
+// slots): replaces each value by the nearest e4m3 value of value / scale and returns the group's scale,
+// as quantize_activations does (values past the row's end must be passed as 0).
+__device__ __forceinline__ float quantize_group_lanes(float (&v)[4], bool power_of_two) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const float scale = activation_scale(amax, power_of_two);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = e4m3_value(__fdiv_rn(v[i], scale));
+  return scale;
+}
+
 __device__ __forceinline__ float block_scale_at(const ExpertsArgs& a, const void* scales, int64_t index) {
   if (!a.ue8m0_scales) return static_cast<const float*>(scales)[index];
   const uint32_t code = static_cast<const uint8_t*>(scales)[index];

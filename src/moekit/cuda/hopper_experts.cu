@@ -84,22 +84,13 @@ Layout layout(const ExpertsArgs& a, Variant v) {
 template <typename S>
 __device__ __forceinline__ void quantize_group(const S* v, bool power_of_two, uint8_t* q, float* scale, int lane) {
   float x[4];
-  float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    x[i] = to_f(v[lane * 4 + i]);
-    amax = fmaxf(amax, fabsf(x[i]));
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const float s = activation_scale(amax, power_of_two);
+  for (int i = 0; i < 4; ++i) x[i] = to_f(v[lane * 4 + i]);
+  const float s = quantize_group_lanes(x, power_of_two);
   uint32_t codes = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    // e4m3_value is the exact nearest code's value, so the conversion below only encodes it.
-    const float r = e4m3_value(__fdiv_rn(x[i], s));
-    codes |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(r, __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-  }
+  for (int i = 0; i < 4; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
+    codes |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3)) << (8 * i);
   reinterpret_cast<uint32_t*>(q)[lane] = codes;
   if (lane == 0) *scale = s;
 }

@@ -1,5 +1,6 @@
 // Tensor maps of the bulk tensor copy engine (TMA, sm_90): the host-side description of a tiled view
-// of a tensor in device memory that a kernel receives as a __grid_constant__ parameter.
+// of a tensor in device memory that a kernel receives as a __grid_constant__ parameter. Also the two
+// device facts the Hopper launchers size and choose by (multiprocessors, compute capability 9.0).
 #pragma once
 
 #include <cuda.h>
