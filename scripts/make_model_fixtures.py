@@ -11,16 +11,18 @@ transformers writes them), each with transformers' own outputs for a fixed promp
 The weights are drawn wider than transformers' initialiser (std 0.02 gives near-uniform routers whose
 top-k choice a rounding could flip) and the router and correction biases get random values too.
 
-Run:  scripts/reference_python.sh scripts/make_model_fixtures.py   (see scripts/setup_reference_env.sh)
+Run:  scripts/reference_python.sh scripts/make_model_fixtures.py [NAME ...]   (see scripts/setup_reference_env.sh)
+      (NAME: only these fixtures are rewritten; none: all of them)
 transformers is the yardstick only, never a dependency of moekit.
 """
 import json
 import os
 import shutil
+import sys
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "models")
 VOCAB, PROMPT_LEN, NEW_TOKENS = 96, 11, 8
@@ -62,6 +64,19 @@ MODELS = {
     "gpt_oss": dict(COMMON, model_type="gpt_oss", num_hidden_layers=2, num_key_value_heads=2, head_dim=16,
                     intermediate_size=24, num_local_experts=6, num_experts_per_tok=2, sliding_window=4,
                     swiglu_limit=7.0),
+    # a vision-language wrapper: the language model (qwen3_moe's text model with fused experts and
+    # interleaved multimodal rope sections) under text_config and model.language_model.*, a tiny vision
+    # tower under vision_config and model.visual.*; run on text tokens only (no pixel values)
+    "qwen3_vl_moe": dict(model_type="qwen3_vl_moe", tie_word_embeddings=False,
+                         text_config=dict(COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+                                          intermediate_size=40, moe_intermediate_size=16, num_experts=8,
+                                          num_experts_per_tok=2, mlp_only_layers=[1],
+                                          rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                               mrope_section=[4, 2, 2], mrope_interleaved=True)),
+                         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                            patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                                            out_hidden_size=48, num_position_embeddings=16,
+                                            deepstack_visual_indexes=[0])),
 }
 
 
@@ -84,15 +99,21 @@ def randomise(model, g):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
-def main():
-    shutil.rmtree(OUT, ignore_errors=True)
+def main(names):
+    for name in names:
+        if name not in MODELS:
+            sys.exit(f"unknown fixture '{name}'; known: {', '.join(MODELS)}")
     for index, (name, spec) in enumerate(MODELS.items()):
+        if names and name not in names:
+            continue
         spec = dict(spec)
         model_type = spec.pop("model_type")
         config = AutoConfig.for_model(model_type, **spec)
         config._attn_implementation = "eager"
         g = torch.Generator().manual_seed(1000 + index)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        # Vision-language models are not AutoModelForCausalLM; their text-only forward is the language model's.
+        auto_class = AutoModelForImageTextToText if "text_config" in spec else AutoModelForCausalLM
+        model = auto_class.from_config(config, attn_implementation="eager").eval()
         randomise(model, g)
         prompt = torch.randint(3, VOCAB, (1, PROMPT_LEN), generator=g)
         with torch.no_grad():
@@ -100,11 +121,12 @@ def main():
             greedy = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
                                     eos_token_id=None, pad_token_id=0)[0, PROMPT_LEN:]
         directory = os.path.join(OUT, name)
+        shutil.rmtree(directory, ignore_errors=True)
         model.save_pretrained(directory, safe_serialization=True)
         os.remove(os.path.join(directory, "generation_config.json"))
         # As users load it: from_pretrained(dtype=bfloat16) (model.to() would also round the rotary
         # inv_freq buffers, which from_pretrained keeps in float32).
-        model_bf16 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16,
+        model_bf16 = auto_class.from_pretrained(directory, dtype=torch.bfloat16,
                                                           attn_implementation="eager").eval()
         with torch.no_grad():
             logits_bf16 = model_bf16(prompt).logits[0].float()
@@ -123,4 +145,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

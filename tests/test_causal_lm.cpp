@@ -25,8 +25,9 @@ using namespace moekit;
 
 namespace {
 
-const std::vector<std::string> kModels = {"qwen3_moe",   "qwen2_moe",             "mixtral", "olmoe",
-                                          "deepseek_v3", "deepseek_v3_no_q_lora", "gpt_oss"};
+// qwen3_vl_moe: a vision-language checkpoint whose language model runs on text tokens only.
+const std::vector<std::string> kModels = {
+    "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v3_no_q_lora", "gpt_oss", "qwen3_vl_moe"};
 const std::vector<std::string> kCpuBackends = {"eager", "batched_mm", "grouped_mm"};
 
 std::string model_dir(const std::string& name) {
@@ -142,8 +143,8 @@ TEST(CausalLMCuda, DecodePhaseSwitchesGroupedToBatched) {
   std::string why;
   if (!device_available(Device::cuda(0), &why)) GTEST_SKIP() << "no GPU: " << why;
   const Expected e = load_expected("qwen3_moe");
-  CausalLM model =
-      CausalLM::from_pretrained(model_dir("qwen3_moe"), {.device = Device::cuda(0), .experts_implementation = "grouped_mm"});
+  CausalLM model = CausalLM::from_pretrained(model_dir("qwen3_moe"),
+                                             {.device = Device::cuda(0), .experts_implementation = "grouped_mm"});
   GenerationConfig g;
   g.max_new_tokens = 4;
   std::vector<std::vector<std::string>> per_step;
@@ -400,8 +401,7 @@ TEST(CausalLM, SwitchesExpertsBackendAtRunTime) {
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("grouped_mm"), std::string::npos) << err.what();
   }
-  EXPECT_THROW(model.set_experts_implementation(std::map<std::string, std::string>{{"text_config", "eager"}}),
-               Error);
+  EXPECT_THROW(model.set_experts_implementation(std::map<std::string, std::string>{{"text_config", "eager"}}), Error);
   EXPECT_EQ(model.get_experts_implementation(), (std::map<std::string, std::string>{{"", "grouped_mm"}}));
 }
 
@@ -455,12 +455,10 @@ TEST(CausalLM, SamplingIsSeededAndTopKOneIsGreedy) {
   }
   EXPECT_TRUE(any_differs) << "six seeds at temperature 1.5 all drew the same tokens";
   g.top_k = 1;
-  EXPECT_EQ(model.generate(e.prompt, g).tokens,
-            std::vector<int32_t>(e.greedy.begin(), e.greedy.begin() + 6));
+  EXPECT_EQ(model.generate(e.prompt, g).tokens, std::vector<int32_t>(e.greedy.begin(), e.greedy.begin() + 6));
   g.top_k = 0;
   g.top_p = 1e-6f;  // only the most likely token survives
-  EXPECT_EQ(model.generate(e.prompt, g).tokens,
-            std::vector<int32_t>(e.greedy.begin(), e.greedy.begin() + 6));
+  EXPECT_EQ(model.generate(e.prompt, g).tokens, std::vector<int32_t>(e.greedy.begin(), e.greedy.begin() + 6));
 
   g.temperature = 0;
   EXPECT_THROW(model.generate(e.prompt, g), Error);
@@ -470,16 +468,42 @@ TEST(CausalLM, SamplingIsSeededAndTopKOneIsGreedy) {
   EXPECT_THROW(model.generate(std::vector<int32_t>{}, GenerationConfig()), Error);
 }
 
+TEST(CausalLM, VisionLanguageModelRunsItsTextModelAndSkipsTheVisionTower) {
+  const std::string dir = model_dir("qwen3_vl_moe");
+  int64_t vision_tensors = 0;
+  for (const auto& name : SafetensorsFile(dir + "/model.safetensors").names())
+    vision_tensors += name.starts_with("model.visual.") ? 1 : 0;
+  ASSERT_GT(vision_tensors, 0);
+  CausalLM model = CausalLM::from_pretrained(dir, {.experts_implementation = "eager", .progress = false});
+  EXPECT_EQ(model.model_type(), "qwen3_vl_moe_text");
+  EXPECT_EQ(model.num_layers(), 3);
+  const std::string described = model.describe();
+  EXPECT_NE(described.find("ignored " + std::to_string(vision_tensors) + " tensor(s) under model.visual."),
+            std::string::npos)
+      << described;
+  // The MoE layers belong to the text_config backbone: setting the top level alone changes nothing.
+  const Expected e = load_expected("qwen3_vl_moe");
+  EXPECT_EQ(model.get_experts_implementation(),
+            (std::map<std::string, std::string>{{"", "eager"}, {"text_config", "eager"}, {"vision_config", "eager"}}));
+  model.set_experts_implementation(std::map<std::string, std::string>{{"", "batched_mm"}});
+  model.forward(e.prompt);
+  EXPECT_EQ(model.last_step_backends(), (std::vector<std::string>{"eager", "eager"}));  // layer 1 is dense
+  model.set_experts_implementation(std::map<std::string, std::string>{{"text_config", "batched_mm"}});
+  model.forward(e.prompt);
+  EXPECT_EQ(model.last_step_backends(), (std::vector<std::string>{"batched_mm", "batched_mm"}));
+}
+
 // A copy of a fixture checkpoint whose model.safetensors the test rewrites.
 class BrokenCheckpoint : public ::testing::Test {
  protected:
+  virtual std::string fixture() const { return "qwen3_moe"; }
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("moekit_broken_" + std::to_string(::getpid()) + "_" +
                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    fs::copy_file(model_dir("qwen3_moe") + "/config.json", dir_ / "config.json");
-    SafetensorsFile f(model_dir("qwen3_moe") + "/model.safetensors");
+    fs::copy_file(model_dir(fixture()) + "/config.json", dir_ / "config.json");
+    SafetensorsFile f(model_dir(fixture()) + "/model.safetensors");
     for (const auto& name : f.names()) tensors_.emplace_back(name, f.tensor(name).clone());
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -537,6 +561,34 @@ TEST_F(BrokenCheckpoint, CorruptFileIsNamed) {
   write();
   fs::resize_file(dir_ / "model.safetensors", fs::file_size(dir_ / "model.safetensors") / 2);
   EXPECT_NE(load_error().find("model.safetensors"), std::string::npos) << load_error();
+}
+
+class BrokenVisionLanguageCheckpoint : public BrokenCheckpoint {
+ protected:
+  std::string fixture() const override { return "qwen3_vl_moe"; }
+};
+
+TEST_F(BrokenVisionLanguageCheckpoint, VisionTensorsAreSkippedOthersAreNamed) {
+  // Any tensor of the vision tower is skipped, even one the tower does not have.
+  tensors_.emplace_back("model.visual.blocks.7.surprise.weight", Tensor::zeros({4}, DType::f32));
+  write();
+  EXPECT_EQ(load_error(), "no error");
+  for (const char* extra : {"model.language_model.layers.0.self_attn.surprise.weight", "model.audio_tower.proj.weight",
+                            "model.layers.0.input_layernorm.weight"}) {
+    tensors_.emplace_back(extra, Tensor::zeros({4}, DType::f32));
+    write();
+    const std::string error = load_error();
+    EXPECT_NE(error.find("does not use"), std::string::npos) << error;
+    EXPECT_NE(error.find(extra), std::string::npos) << error;
+    tensors_.pop_back();
+  }
+}
+
+TEST_F(BrokenVisionLanguageCheckpoint, MissingLanguageModelTensorIsNamed) {
+  std::erase_if(tensors_,
+                [](const auto& t) { return t.first == "model.language_model.layers.2.mlp.experts.down_proj"; });
+  write();
+  EXPECT_NE(load_error().find("model.language_model.layers.2.mlp.experts"), std::string::npos) << load_error();
 }
 
 TEST(CausalLM, OutOfVocabularyTokenIsNamed) {

@@ -127,8 +127,56 @@ std::vector<bool> layers(std::initializer_list<int> flags) {
 }
 
 TEST(ModelConfig, SupportedModelTypes) {
-  EXPECT_EQ(supported_model_types(),
-            (std::vector<std::string>{"qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"}));
+  EXPECT_EQ(supported_model_types(), (std::vector<std::string>{"qwen2_moe", "qwen3_moe", "mixtral", "olmoe",
+                                                               "deepseek_v3", "gpt_oss", "qwen3_vl_moe"}));
+}
+
+TEST(ModelConfig, Qwen3VlMoeIsItsTextConfigWithTheWrappersFields) {
+  // As Qwen3-VL-30B-A3B-Instruct's config.json (transformers 5 layout), shortened.
+  const json text = {{"model_type", "qwen3_vl_moe_text"},
+                     {"vocab_size", 151936},
+                     {"hidden_size", 2048},
+                     {"num_hidden_layers", 48},
+                     {"num_attention_heads", 32},
+                     {"num_key_value_heads", 4},
+                     {"head_dim", 128},
+                     {"intermediate_size", 6144},
+                     {"moe_intermediate_size", 768},
+                     {"num_experts", 128},
+                     {"num_experts_per_tok", 8},
+                     {"decoder_sparse_step", 1},
+                     {"tie_word_embeddings", true},
+                     {"dtype", "float32"},
+                     {"rope_parameters",
+                      {{"rope_type", "default"},
+                       {"rope_theta", 5000000},
+                       {"mrope_section", {24, 20, 20}},
+                       {"mrope_interleaved", true}}}};
+  json wrapper = {{"model_type", "qwen3_vl_moe"},
+                  {"text_config", text},
+                  {"vision_config", {{"model_type", "qwen3_vl_moe_vision"}, {"depth", 27}}},
+                  {"dtype", "bfloat16"}};
+  const ModelConfig c = parse_model_config(wrapper);
+  EXPECT_EQ(c.model_type, "qwen3_vl_moe_text");
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.layer_is_moe, std::vector<bool>(48, true));
+  EXPECT_TRUE(c.router.norm_topk_prob);  // always: its router has no norm_topk_prob switch
+  EXPECT_TRUE(c.qk_norm && c.qk_norm_per_head);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 5e6);
+  EXPECT_EQ(c.rope_scaling.type, "default");
+  EXPECT_FALSE(c.tie_word_embeddings);  // the wrapper's (default false), not the text config's
+  EXPECT_EQ(c.dtype, "bfloat16");       // the wrapper's
+  EXPECT_EQ(c.text_config, "text_config");
+  EXPECT_EQ(c.weights_prefix, "model.language_model.");
+  EXPECT_EQ(c.ignored_weight_prefixes, std::vector<std::string>{"model.visual."});
+  // Without rope_theta the text config class's default is 5e5.
+  wrapper["text_config"]["rope_parameters"].erase("rope_theta");
+  EXPECT_DOUBLE_EQ(parse_model_config(wrapper).rope_theta, 5e5);
+  // A flat config keeps the flat layout.
+  EXPECT_EQ(parse_model_config(parsed(kQwen3Moe)).weights_prefix, "model.");
+  EXPECT_TRUE(throws_error_with(parsing(with(wrapper, "text_config", with(text, "model_type", "qwen3_moe"))),
+                                {"text_config.model_type is 'qwen3_moe', expected 'qwen3_vl_moe_text'"}));
+  EXPECT_TRUE(throws_error_with(parsing(without(wrapper, "text_config")), {"sub-config 'text_config'", "missing"}));
 }
 
 TEST(ModelConfig, Qwen3Moe30BA3B) {

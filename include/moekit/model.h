@@ -1,7 +1,8 @@
-// The model runtime: Hugging Face MoE checkpoints (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3, gpt_oss)
-// loaded from their directory, run as decoder-only language models with a KV cache, and generating
-// text. The experts of every MoE layer run through a named experts backend (see experts.h), chosen per
-// backbone when loading and switched at run time, as transformers' experts_implementation.
+// The model runtime: Hugging Face MoE checkpoints (qwen2_moe, qwen3_moe, mixtral, olmoe, deepseek_v3, gpt_oss,
+// and the language model of qwen3_vl_moe, text only) loaded from their directory, run as decoder-only
+// language models with a KV cache, and generating text. The experts of every MoE layer run through a named experts
+// backend (see experts.h), chosen per backbone when loading and switched at run time, as transformers'
+// experts_implementation.
 //
 //   auto model = moekit::CausalLM::from_pretrained("Qwen3-30B-A3B", {.experts_implementation = "grouped_mm"});
 //   auto out = model.generate(prompt_ids, {.max_new_tokens = 64});
@@ -28,7 +29,9 @@ struct LoadOptions {
   Device device = Device::cpu();
   // One backend name for every backbone, or a JSON object {"": name, "<sub-config>": name}.
   std::string experts_implementation = "grouped_mm";
-  bool progress = true;  // a progress line on stderr while loading large checkpoints
+  // A progress line on stderr while loading large checkpoints, and one line naming what was skipped on
+  // purpose (a vision-language checkpoint's vision tower: describe() says it too).
+  bool progress = true;
   // Pre-quantised checkpoints (config.json quantization_config, transformers' "fp8" method): false keeps
   // the experts FP8 / FP4 (run by the CPU batched_mm, grouped_mm and eager; CUDA backends refuse them
   // with a reason); true dequantises them to the model's dtype at load so that every backend runs them.
@@ -78,7 +81,9 @@ std::string experts_implementation_text(const std::map<std::string, std::string>
 
 class CausalLM {
  public:
-  // Reads dir/config.json and its safetensors; every error names the file, key or tensor.
+  // Reads dir/config.json and its safetensors; every error names the file, key or tensor. A tensor the
+  // model does not use is an error, except a vision-language model's vision tower (model.visual.*), which
+  // is skipped: only text tokens are run.
   static CausalLM from_pretrained(const std::string& dir, const LoadOptions& options = {});
 
   CausalLM(CausalLM&&) noexcept;

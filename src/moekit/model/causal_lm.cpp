@@ -14,6 +14,7 @@
 // rotated shared key, as transformers 5.17 caches them.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -122,17 +123,27 @@ class WeightReader {
 
   // Throws naming the checkpoint's tensors that no part of the model read. Ignored, as transformers
   // ignores them: rotary inv_freq buffers of old checkpoints and layers past num_hidden_layers
-  // (DeepSeek-V3's multi-token-prediction layer).
-  void check_all_used(int64_t num_layers) const {
+  // (DeepSeek-V3's multi-token-prediction layer) under layers_prefix ("model.layers."). Skipped knowingly:
+  // tensors under ignored_prefixes (a vision-language model's vision tower), returned per prefix.
+  std::map<std::string, int64_t> check_all_used(int64_t num_layers, const std::string& layers_prefix,
+                                                const std::vector<std::string>& ignored_prefixes) const {
     std::vector<std::string> unused;
+    std::map<std::string, int64_t> ignored;
     for (const auto& name : checkpoint_.tensor_names()) {
       if (used_.count(name) != 0 || name.ends_with("rotary_emb.inv_freq")) continue;
       bool in_experts = false;
       for (const auto& prefix : expert_prefixes_) in_experts = in_experts || name.starts_with(prefix);
       if (in_experts) continue;
-      if (name.starts_with("model.layers.")) {
-        const auto end = name.find('.', 13);
-        const std::string index = name.substr(13, end - 13);
+      const auto skipped = std::find_if(ignored_prefixes.begin(), ignored_prefixes.end(),
+                                        [&](const std::string& prefix) { return name.starts_with(prefix); });
+      if (skipped != ignored_prefixes.end()) {
+        ++ignored[*skipped];
+        continue;
+      }
+      if (name.starts_with(layers_prefix)) {
+        const std::size_t start = layers_prefix.size();
+        const auto end = name.find('.', start);
+        const std::string index = name.substr(start, end - start);
         // (More than 9 digits is past any layer count, and past what stoll takes.)
         if (!index.empty() && index.find_first_not_of("0123456789") == std::string::npos &&
             (index.size() > 9 || std::stoll(index) >= num_layers))
@@ -140,7 +151,7 @@ class WeightReader {
       }
       unused.push_back(name);
     }
-    if (unused.empty()) return;
+    if (unused.empty()) return ignored;
     std::string list;
     for (std::size_t i = 0; i < std::min<std::size_t>(unused.size(), 5); ++i) list += (i ? ", " : "") + unused[i];
     MOEKIT_FAIL(checkpoint_.directory(), ": ", unused.size(), " tensor(s) the model does not use: ", list,
@@ -178,6 +189,8 @@ struct CausalLM::Impl {
   int64_t cache_capacity = 0;  // GPU: positions the cache buffers hold
   std::vector<std::string> last_step_backends;
   bool dequantize_experts = false;  // quantised experts turned into dtype at load
+  // Tensors not loaded on purpose, per prefix (a vision-language checkpoint's vision tower).
+  std::map<std::string, int64_t> ignored_weights;
   // GPU: the stream the decode step is captured and replayed on (ordered with the legacy default stream,
   // where tensors are allocated and freed and steps are otherwise launched, so no synchronisation is
   // needed between the two), the inputs of one-token steps in device memory, the captured decode step,
@@ -202,7 +215,7 @@ struct CausalLM::Impl {
     } else if (!config.dtype.empty()) {
       dtype = parse_config_dtype(config.dtype, dir);
     } else {
-      dtype = checkpoint.tensor("model.embed_tokens.weight").dtype();
+      dtype = checkpoint.tensor(config.weights_prefix + "embed_tokens.weight").dtype();
     }
     MOEKIT_CHECK(is_floating(dtype), "from_pretrained: dtype must be f32, f16 or bf16, got ", dtype_name(dtype));
     experts_implementation.set_from_text(options.experts_implementation);
@@ -212,6 +225,8 @@ struct CausalLM::Impl {
       if (dequantize_experts) config.experts.quantization = QuantizationConfig();
     }
     load_weights();
+    if (options.progress && !ignored_weights.empty())
+      std::fprintf(stderr, "from_pretrained: %s: %s\n", dir.c_str(), ignored_weights_text().c_str());
     if (device.is_cuda()) move_weights_to_device();
     rotary = rotary_tables(config);
     if (device.is_cuda()) {
@@ -231,8 +246,9 @@ struct CausalLM::Impl {
     const ModelConfig& c = config;
     WeightReader r(checkpoint, dtype);
     const int64_t H = c.hidden_size, V = c.vocab_size;
-    embed_tokens = r.load("model.embed_tokens.weight", {V, H});
-    final_norm = r.load("model.norm.weight", {H});
+    const std::string& prefix = c.weights_prefix;  // "model." (a vision-language model's "model.language_model.")
+    embed_tokens = r.load(prefix + "embed_tokens.weight", {V, H});
+    final_norm = r.load(prefix + "norm.weight", {H});
     if (r.contains("lm_head.weight") || !c.tie_word_embeddings) {
       lm_head = r.load("lm_head.weight", {V, H});
     } else {
@@ -240,7 +256,7 @@ struct CausalLM::Impl {
     }
     layers.resize(static_cast<std::size_t>(c.num_hidden_layers));
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      const std::string p = "model.layers." + std::to_string(i) + ".";
+      const std::string p = prefix + "layers." + std::to_string(i) + ".";
       LayerWeights& l = layers[static_cast<std::size_t>(i)];
       l.input_norm = r.load(p + "input_layernorm.weight", {H});
       l.post_attention_norm = r.load(p + "post_attention_layernorm.weight", {H});
@@ -258,7 +274,15 @@ struct CausalLM::Impl {
         l.mlp_down = r.load(p + "mlp.down_proj.weight", {H, I});
       }
     }
-    r.check_all_used(c.num_hidden_layers);
+    ignored_weights = r.check_all_used(c.num_hidden_layers, prefix + "layers.", c.ignored_weight_prefixes);
+  }
+
+  // "ignored 38 tensors under model.visual. (not loaded: text-only model)", or "" when none were.
+  std::string ignored_weights_text() const {
+    std::string out;
+    for (const auto& [prefix, count] : ignored_weights)
+      out += (out.empty() ? "ignored " : ", ") + std::to_string(count) + " tensor(s) under " + prefix;
+    return out.empty() ? out : out + " (not loaded: text-only model)";
   }
 
   void load_attention(WeightReader& r, const std::string& p, AttentionWeights& a) const {
@@ -298,7 +322,7 @@ struct CausalLM::Impl {
     }
     if (c.qk_norm) {
       // qwen3_moe normalises each head; olmoe the whole projection.
-      const bool per_head = c.model_type == "qwen3_moe";
+      const bool per_head = c.qk_norm_per_head;
       a.q_norm = r.load(p + "q_norm.weight", {per_head ? hd : Hq * hd});
       a.k_norm = r.load(p + "k_norm.weight", {per_head ? hd : Hk * hd});
     }
@@ -308,9 +332,8 @@ struct CausalLM::Impl {
     const ModelConfig& c = config;
     const int64_t H = c.hidden_size, E = c.num_experts;
     // Mixtral checkpoints name the block block_sparse_moe; transformers 5 itself names it mlp.
-    const std::string block = c.model_type == "mixtral" && r.any_under(p + "block_sparse_moe.")
-                                  ? p + "block_sparse_moe."
-                                  : p + "mlp.";
+    const std::string block =
+        c.model_type == "mixtral" && r.any_under(p + "block_sparse_moe.") ? p + "block_sparse_moe." : p + "mlp.";
     if (c.model_type == "gpt_oss") {
       // Fused, transposed, gate and up interleaved, biased (ExpertsConfig from the config), and a
       // router with a bias.
@@ -356,9 +379,17 @@ struct CausalLM::Impl {
     }
     for (LayerWeights& l : layers) {
       AttentionWeights& a = l.attention;
-      for (Tensor* t : {&l.input_norm, &l.post_attention_norm, &a.q_proj, &a.q_bias, &a.k_proj, &a.k_bias, &a.v_proj,
-                        &a.v_bias, &a.o_proj, &a.o_bias, &a.q_norm, &a.k_norm, &a.q_a_proj, &a.q_a_norm, &a.q_b_proj,
-                        &a.kv_a_proj, &a.kv_a_norm, &a.kv_b_proj, &l.mlp_gate, &l.mlp_up, &l.mlp_down})
+      for (Tensor* t : {&l.input_norm, &l.post_attention_norm,
+                        &a.q_proj,     &a.q_bias,
+                        &a.k_proj,     &a.k_bias,
+                        &a.v_proj,     &a.v_bias,
+                        &a.o_proj,     &a.o_bias,
+                        &a.q_norm,     &a.k_norm,
+                        &a.q_a_proj,   &a.q_a_norm,
+                        &a.q_b_proj,   &a.kv_a_proj,
+                        &a.kv_a_norm,  &a.kv_b_proj,
+                        &l.mlp_gate,   &l.mlp_up,
+                        &l.mlp_down})
         move(*t);
       if (!a.sinks_host.empty()) {
         Tensor sinks = Tensor::empty({static_cast<int64_t>(a.sinks_host.size())}, DType::f32);
@@ -534,7 +565,8 @@ struct CausalLM::Impl {
   Tensor run_step(std::span<const int32_t> tokens, const Tensor& inputs, int64_t logit_rows) {
     const ModelConfig& c = config;
     const int64_t T = static_cast<int64_t>(tokens.size());
-    const std::string& backend = experts_implementation.of("");
+    // The language model's backbone: the top level, or a vision-language model's text_config.
+    const std::string& backend = experts_implementation.of(c.text_config);
     last_step_backends.clear();
     const int32_t* position = inputs.defined() ? inputs.data_as<int32_t>() : nullptr;
     Tensor h = inputs.defined() ? ops::embedding(embed_tokens, inputs.slice(0, 1, 1 + T))
@@ -790,11 +822,13 @@ std::string CausalLM::describe() const {
                        ? "; " + std::string(weight_format_name(c.quantization.experts)) + " experts dequantised at load"
                        : "; quantised experts: " + c.experts.quantization.describe();
   const std::string backends = experts_implementation_text(impl_->experts_implementation.get());
-  return c.model_type + ": " + std::to_string(c.num_hidden_layers) + " layers (" + std::to_string(moe_layers) +
+  const std::string ignored = impl_->ignored_weights.empty() ? "" : "; " + impl_->ignored_weights_text();
+  const std::string name = c.text_config.empty() ? c.model_type : c.model_type + " (" + c.text_config + ")";
+  return name + ": " + std::to_string(c.num_hidden_layers) + " layers (" + std::to_string(moe_layers) +
          " MoE), hidden " + std::to_string(c.hidden_size) + ", " + std::to_string(c.num_experts) + " experts top-" +
          std::to_string(c.num_experts_per_tok) + ", vocab " + std::to_string(c.vocab_size) + ", " +
          std::string(dtype_name(impl_->dtype)) + " on " + device_name(impl_->device) + "; experts: " + backends +
-         quantization;
+         quantization + ignored;
 }
 
 }  // namespace moekit

@@ -217,8 +217,9 @@ void parse_dense_size(const Fields& f, ModelConfig& c) {
 
 // Qwen2-MoE and Qwen3-MoE: layer i is MoE unless listed in mlp_only_layers or (i + 1) is not a multiple
 // of decoder_sparse_step (transformers' Qwen2MoeDecoderLayer).
-void parse_qwen_moe(const Fields& f, ModelConfig& c, bool qwen3) {
-  parse_common(f, {1e-6, 10000.0, 32768, false}, std::nullopt, c);
+void parse_qwen_moe(const Fields& f, ModelConfig& c, bool qwen3,
+                    const Defaults& defaults = {1e-6, 10000.0, 32768, false}) {
+  parse_common(f, defaults, std::nullopt, c);
   parse_experts(f, "num_experts", "num_experts_per_tok", "moe_intermediate_size", c, "num_local_experts");
   c.router.kind = RouterKind::softmax_topk;
   c.router.norm_topk_prob = f.get<bool>("norm_topk_prob", false);
@@ -237,6 +238,7 @@ void parse_qwen_moe(const Fields& f, ModelConfig& c, bool qwen3) {
   parse_dense_size(f, c);
   if (qwen3) {
     c.qk_norm = true;
+    c.qk_norm_per_head = true;
   } else {
     // Qwen2-MoE's q/k/v projections have a bias (transformers 5 names the switch qkv_bias).
     c.attention_bias = f.get<bool>("qkv_bias", true);
@@ -249,6 +251,16 @@ void parse_qwen2_moe(const Fields& f, ModelConfig& c) {
 }
 void parse_qwen3_moe(const Fields& f, ModelConfig& c) {
   parse_qwen_moe(f, c, true);
+}
+
+// Qwen3-VL-MoE's language model (its text_config): Qwen3-MoE's layers, a router that always renormalises
+// the top-k weights (no norm_topk_prob field), and a multimodal rope whose frequencies are split into
+// sections for the temporal, height and width position ids (mrope_section, interleaved). Text tokens
+// have the same position in all three, so every section rotates by the same angle as ordinary rope
+// does and the sections need nothing here; image and video positions are not run (no vision tower).
+void parse_qwen3_vl_moe_text(const Fields& f, ModelConfig& c) {
+  parse_qwen_moe(f, c, true, {1e-6, 500000.0, 128000, false});
+  c.router.norm_topk_prob = true;
 }
 
 // Mixtral's router always renormalises the top-k softmax weights; its intermediate_size is the experts'.
@@ -361,9 +373,30 @@ constexpr std::array<Architecture, 6> kArchitectures = {{
     {"gpt_oss", parse_gpt_oss},
 }};
 
+// Vision-language wrappers whose language model runs as text only: the text sub-config's key and
+// model_type, where the language model's weights are, and the other towers' weights, skipped knowingly.
+struct VisionLanguageWrapper {
+  std::string_view model_type;
+  std::string_view text_config;
+  Architecture text;
+  std::string_view weights_prefix;
+  std::array<std::string_view, 1> ignored_weight_prefixes;
+  bool tie_word_embeddings;  // the wrapper config class's default
+};
+
+constexpr std::array<VisionLanguageWrapper, 1> kVisionLanguageWrappers = {{
+    {"qwen3_vl_moe",
+     "text_config",
+     {"qwen3_vl_moe_text", parse_qwen3_vl_moe_text},
+     "model.language_model.",
+     {"model.visual."},
+     false},
+}};
+
 std::string supported_list() {
   std::string out;
   for (const auto& a : kArchitectures) out += (out.empty() ? "" : ", ") + std::string(a.model_type);
+  for (const auto& w : kVisionLanguageWrappers) out += ", " + std::string(w.model_type) + " (text only)";
   return out;
 }
 
@@ -422,11 +455,39 @@ void parse_quantization(const json& config, const std::string& model_type, Model
   c.experts.quantization.activations = ActivationScheme::dynamic;
 }
 
+// The wrapper's text sub-config parsed as its language model, with the wrapper's own fields.
+ModelConfig parse_vision_language(const json& config, const VisionLanguageWrapper& w) {
+  const std::string where = "model config (model_type '" + std::string(w.model_type) + "'): ";
+  const auto it = config.find(w.text_config);
+  MOEKIT_CHECK(it != config.end() && it->is_object(), where, "sub-config '", w.text_config,
+               "' (the language model) is missing or not an object");
+  const json& text = *it;
+  // transformers builds the text config with its own class whatever the sub-config names.
+  const std::string text_type = text.contains("model_type") && text["model_type"].is_string()
+                                    ? text["model_type"].get<std::string>()
+                                    : std::string(w.text.model_type);
+  MOEKIT_CHECK(text_type == w.text.model_type, where, w.text_config, ".model_type is '", text_type, "', expected '",
+               w.text.model_type, "'");
+  ModelConfig out;
+  w.text.parse(Fields(text, text_type), out);
+  // The wrapper owns lm_head and the dtype (transformers reads them from the top-level config).
+  const Fields top(config, std::string(w.model_type));
+  out.tie_word_embeddings = top.get<bool>("tie_word_embeddings", w.tie_word_embeddings);
+  if (top.has("dtype") || top.has("torch_dtype"))
+    out.dtype = top.has("dtype") ? top.required<std::string>("dtype") : top.required<std::string>("torch_dtype");
+  parse_quantization(config.contains("quantization_config") ? config : text, text_type, out);
+  out.text_config = w.text_config;
+  out.weights_prefix = w.weights_prefix;
+  out.ignored_weight_prefixes.assign(w.ignored_weight_prefixes.begin(), w.ignored_weight_prefixes.end());
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::string> supported_model_types() {
   std::vector<std::string> out;
   for (const auto& a : kArchitectures) out.emplace_back(a.model_type);
+  for (const auto& w : kVisionLanguageWrappers) out.emplace_back(w.model_type);
   return out;
 }
 
@@ -444,6 +505,8 @@ ModelConfig parse_model_config(const nlohmann::json& config) {
     parse_quantization(config, model_type, out);
     return out;
   }
+  for (const auto& w : kVisionLanguageWrappers)
+    if (w.model_type == model_type) return parse_vision_language(config, w);
   MOEKIT_FAIL("model config: unknown model_type '", model_type, "'; supported: ", supported_list(),
               sub_config_hint(config));
 }

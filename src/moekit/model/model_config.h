@@ -81,6 +81,7 @@ struct ModelConfig {
   // Attention
   bool attention_bias = false;  // q/k/v (and gpt_oss o) projection bias; qwen2_moe: qkv_bias, default true
   bool qk_norm = false;         // RMSNorm on q and k: qwen3_moe (per head), olmoe (whole projection)
+  bool qk_norm_per_head = false;  // qk_norm over each head's head_dim values (else the whole projection)
   double clip_qkv = 0;          // olmoe: clamp q, k, v to [-clip_qkv, clip_qkv]; 0 = no clamp
 
   // deepseek_v3 multi-head latent attention
@@ -98,11 +99,20 @@ struct ModelConfig {
   CheckpointQuantization quantization;  // quantization_config; absent: not quantised
 
   std::string dtype;  // "dtype" (transformers 5) or "torch_dtype" as written ("bfloat16"), "" if absent
+
+  // A vision-language checkpoint whose language model runs as text only (qwen3_vl_moe): the fields above
+  // describe the text sub-config; these say where it and its weights are. Flat checkpoints: "", "model.",
+  // none ignored.
+  std::string text_config;                           // its key in config.json ("text_config"); the experts backbone
+  std::string weights_prefix = "model.";             // "model.language_model.": embed_tokens, layers.*, norm
+  std::vector<std::string> ignored_weight_prefixes;  // the other towers' weights ("model.visual."), not loaded
 };
 
-// Throws moekit::Error for an unknown model_type (listing the supported ones, and the sub-configs the
-// object holds when it is a multimodal wrapper), a missing required field, a field of the wrong JSON
-// type, or inconsistent values.
+// A supported vision-language wrapper (qwen3_vl_moe) gives its text sub-config's ModelConfig with the
+// wrapper's fields above; its top-level tie_word_embeddings, dtype and quantization_config apply (as in
+// transformers, whose wrapper model owns lm_head). Throws moekit::Error for an unknown model_type (listing
+// the supported ones, and the sub-configs the object holds when it is another multimodal wrapper), a
+// missing required field, a field of the wrong JSON type, or inconsistent values.
 ModelConfig parse_model_config(const nlohmann::json& config);
 
 std::vector<std::string> supported_model_types();  // in a fixed order
