@@ -584,6 +584,24 @@ TEST_F(BrokenVisionLanguageCheckpoint, VisionTensorsAreSkippedOthersAreNamed) {
   }
 }
 
+// Qwen3-VL-MoE's published checkpoints store the fused experts transposed ([E, H, 2I], [E, I, H]): the
+// same matrices stored that way must load into the same model, giving bitwise the same logits.
+TEST_F(BrokenVisionLanguageCheckpoint, TransposedFusedExpertsLoadAsTheSameModel) {
+  const std::vector<int32_t> tokens{3, 17, 42, 5, 9};
+  const Tensor expected = CausalLM::from_pretrained(model_dir(fixture())).forward(tokens);
+  int transposed = 0;
+  for (auto& [name, t] : tensors_)
+    if (name.ends_with("mlp.experts.gate_up_proj") || name.ends_with("mlp.experts.down_proj")) {
+      t = t.transpose(1, 2).contiguous();
+      ++transposed;
+    }
+  ASSERT_GT(transposed, 0) << "the fixture has no fused experts to transpose";
+  write();
+  const Tensor got = CausalLM::from_pretrained(dir_.string()).forward(tokens);
+  ASSERT_EQ(got.shape(), expected.shape());
+  EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.nbytes()), 0) << "logits differ after transposing the experts";
+}
+
 TEST_F(BrokenVisionLanguageCheckpoint, MissingLanguageModelTensorIsNamed) {
   std::erase_if(tensors_,
                 [](const auto& t) { return t.first == "model.language_model.layers.2.mlp.experts.down_proj"; });

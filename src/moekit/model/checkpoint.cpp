@@ -339,6 +339,29 @@ Tensor Checkpoint::load(const std::string& name, DType dtype, const Shape& expec
   return t.to(dtype);
 }
 
+namespace {
+
+// t [E, A, B] (contiguous, CPU) as a new contiguous [E, B, A]: each expert's matrix transposed in
+// 32 x 32 blocks, experts in parallel.
+Tensor transposed_matrices(const Tensor& t) {
+  const int64_t E = t.shape()[0], A = t.shape()[1], B = t.shape()[2];
+  Tensor out = Tensor::empty({E, B, A}, t.dtype());
+  const auto es = static_cast<int64_t>(dtype_size(t.dtype()));
+  const char* src = static_cast<const char*>(t.data());
+  char* dst = static_cast<char*>(out.data());
+  constexpr int64_t kBlock = 32;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t a0 = 0; a0 < A; a0 += kBlock)
+      for (int64_t b0 = 0; b0 < B; b0 += kBlock)
+        for (int64_t a = a0; a < std::min(a0 + kBlock, A); ++a)
+          for (int64_t b = b0; b < std::min(b0 + kBlock, B); ++b)
+            std::memcpy(dst + ((e * B + b) * A + a) * es, src + ((e * A + a) * B + b) * es, static_cast<std::size_t>(es));
+  return out;
+}
+
+}  // namespace
+
 FusedExperts Checkpoint::experts(const std::string& prefix, int64_t num_experts, int64_t hidden, int64_t intermediate,
                                  DType dtype) const {
   MOEKIT_CHECK(num_experts > 0 && hidden > 0 && intermediate > 0, "experts of ", prefix,
@@ -393,8 +416,17 @@ FusedExperts Checkpoint::experts(const std::string& prefix, int64_t num_experts,
          {Required{under + "gate_up_proj", gate_up_shape}, Required{under + "down_proj", down_shape}})
       MOEKIT_CHECK(contains(name), dir_, ": ", name, " is missing: expected ", shape_string(shape),
                    " (the fused expert layout needs gate_up_proj and down_proj)");
-    out.gate_up_proj = load(under + "gate_up_proj", dtype, gate_up_shape);
-    out.down_proj = load(under + "down_proj", dtype, down_shape);
+    // The same matrices stored transposed, gate_up [E, H, 2I] and down [E, I, H], as Qwen3-VL-MoE's
+    // published checkpoints hold them (transformers transposes them on load, and so does this: the
+    // backends' fast paths read [E, out, in]). Told apart by down's shape, which differs when H != I.
+    const Shape transposed_gate_up{E, H, 2 * I}, transposed_down{E, I, H};
+    if (H != I && tensor(under + "down_proj").shape() == transposed_down) {
+      out.gate_up_proj = transposed_matrices(load(under + "gate_up_proj", dtype, transposed_gate_up));
+      out.down_proj = transposed_matrices(load(under + "down_proj", dtype, transposed_down));
+    } else {
+      out.gate_up_proj = load(under + "gate_up_proj", dtype, gate_up_shape);
+      out.down_proj = load(under + "down_proj", dtype, down_shape);
+    }
     const std::string gate_up_bias = under + "gate_up_proj_bias";
     const std::string down_bias = under + "down_proj_bias";
     MOEKIT_CHECK(contains(gate_up_bias) == contains(down_bias), dir_, ": ", prefix, " has ",

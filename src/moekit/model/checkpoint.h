@@ -70,7 +70,8 @@ class Checkpoint {
   // The experts of one MoE layer under prefix ("model.layers.3.mlp.experts"), in dtype, recognising:
   //   fused:     {prefix}.gate_up_proj [E, 2I, H], {prefix}.down_proj [E, H, I], optional
   //              {prefix}.gate_up_proj_bias [E, 2I], {prefix}.down_proj_bias [E, H]; no copy if the
-  //              dtype matches;
+  //              dtype matches; or stored transposed, [E, H, 2I] and [E, I, H] (Qwen3-VL-MoE's
+  //              published checkpoints; H != I), transposed into the layout above on load;
   //   per expert {prefix}.{i}.gate_proj.weight [I, H], .up_proj.weight [I, H], .down_proj.weight [H, I]
   //              (Qwen, OLMoE, DeepSeek);
   //   per expert {prefix}.{i}.w1.weight (gate) [I, H], .w3.weight (up) [I, H], .w2.weight (down) [H, I]
