@@ -12,4 +12,8 @@ if [ ! -d "$env/torch" ]; then
     "transformers==5.17.0" "cuda-toolkit[cufile]==13.0.2" "nvidia-cusparselt-cu13==0.8.0" \
     "nvidia-nccl-cu13==2.28.9" "nvidia-nvshmem-cu13==3.4.5"
 fi
+# accelerate: transformers needs it to load pre-quantised (FP8) checkpoints (make_fp8_fixtures.py).
+if [ ! -d "$env/accelerate" ]; then
+  python3 -m pip install -q --target "$env" --no-deps "accelerate==1.15.0" "psutil==7.2.2"
+fi
 echo "reference environment ready in $env (use scripts/reference_python.sh)"

@@ -33,8 +33,10 @@ struct LoadOptions {
   // purpose (a vision-language checkpoint's vision tower: describe() says it too).
   bool progress = true;
   // Pre-quantised checkpoints (config.json quantization_config, transformers' "fp8" method): false keeps
-  // the experts FP8 / FP4 (run by the CPU batched_mm, grouped_mm and eager; CUDA backends refuse them
-  // with a reason); true dequantises them to the model's dtype at load so that every backend runs them.
+  // the experts FP8 / FP4 (run by the CPU batched_mm, grouped_mm and eager; on CUDA FP8 by batched_mm,
+  // and on Hopper by deepgemm and grouped_mm with H and I multiples of 128; other CUDA backends and FP4
+  // refuse them with a reason); true dequantises them to the model's dtype at load so that every backend
+  // runs them.
   // FP8 experts whose intermediate size is not a multiple of 128 are always dequantised (their gate and
   // up rows do not share scale blocks once fused). Quantised dense linears are always dequantised.
   bool dequantize = false;
