@@ -1,9 +1,11 @@
 // batched_mm on CUDA: every (token, expert) pair is multiplied by its expert's weights where they lie.
-// Two kernels and no routing step: (1) for each pair, the gate and up rows of a few intermediate
-// columns per warp, dot products over H with 16-byte weight loads, the activation applied at once;
-// (2) for each token, the down rows of a few hidden columns per warp over its K pairs in order k =
-// 0..K-1, with the bias and routing weight, so the weighted combine needs no atomics and no per-pair
-// output. Built for decode, where the work is reading the chosen experts' weights once.
+// Two kernels and no routing step: (1) for each pair, the gate and up rows of an intermediate column
+// per warp, dot products over H with 16-byte weight loads, the activation applied at once; (2) for
+// each (token, hidden column), one warp over the token's K pairs in order k = 0..K-1, with the bias
+// and routing weight, so the weighted combine needs no atomics and no per-pair output. Built for
+// decode, where the work is reading the chosen experts' weights once: each warp requests all the
+// weight bytes of a round before it reads anything else, and on Hopper the second kernel starts while
+// the first drains (programmatic dependent launch).
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -45,19 +47,15 @@ __device__ __forceinline__ void store_up_columns(const ExpertsArgs& a, int64_t e
   hidden[pair * I + j] = activate(a, g, u);
 }
 
-// x [T, H] @ up_e [N, H]^T for each pair -> hidden [P, I] (float), activation applied.
-// grid (P, ceil(I / 16)), block 128, dynamic shared memory H floats.
-template <typename T, bool kVectorised>
+// x [T, H] @ up_e [N, H]^T for each pair -> hidden [P, I] (float), activation applied; any H and
+// alignment (rows that allow 16-byte loads take up_stream_kernel). grid (P, ceil(I / 16)), block 128,
+// dynamic shared memory H floats.
+template <typename T>
 __global__ void __launch_bounds__(kWarps * 32) up_rows_kernel(const ExpertsArgs a, float* __restrict__ hidden) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The down kernel (launched as a programmatic dependent) may start now; it waits for this grid's
-  // results itself before reading them.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
   extern __shared__ float x_shared[];
   const int64_t pair = blockIdx.x, t = pair / a.top_k;
   const int64_t e = load_id(a, pair);
-  if (e < 0 || e >= a.experts) return;  // sentinel (or invalid: the combine poisons that token)
+  if (e < 0 || e >= a.experts) return;  // sentinel (or invalid: the down kernel poisons that token)
   const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
   const T* x = static_cast<const T*>(a.x) + t * H;
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x) x_shared[h] = to_f(x[h]);
@@ -76,28 +74,149 @@ __global__ void __launch_bounds__(kWarps * 32) up_rows_kernel(const ExpertsArgs 
     rows[2 * r + 1] = w + (a.has_gate ? up_col(a, j) : j) * H;
     acc[2 * r] = acc[2 * r + 1] = 0.0f;
   }
-  if constexpr (kVectorised) {
-    constexpr int V = kVec<T>;
-#pragma unroll 2
-    for (int64_t h = lane * V; h < H; h += 32 * V) {
-      float wv[kRows][V];
+  for (int64_t h = lane; h < H; h += 32) {
+    const float xi = x_shared[h];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) load_vec_stream(rows[r] + h, wv[r]);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float xi = x_shared[h + i];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) acc[r] = fmaf(wv[r][i], xi, acc[r]);
-      }
-    }
-  } else {
-    for (int64_t h = lane; h < H; h += 32) {
-      const float xi = x_shared[h];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[r] = fmaf(to_f(rows[r][h]), xi, acc[r]);
-    }
+    for (int r = 0; r < kRows; ++r) acc[r] = fmaf(to_f(rows[r][h]), xi, acc[r]);
   }
   store_up_columns<T, kColsPerWarp>(a, e, pair, j0, lane, acc, hidden);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The streaming kernels (rows of 16-byte multiples, 16-byte aligned): built so that the weight bytes
+// of a warp's whole share are requested at once, before anything else it waits for. A warp takes one
+// intermediate column (gate and up rows) or one output column (one down row per pair), issues
+// kStreamLoads 16-byte loads per lane, and only then reads the activations it multiplies them by. With
+// short rows (decode's whole job is reading the chosen experts' weights) a warp's work is one or two
+// such rounds, so the layer costs about one memory latency plus the bytes over the bandwidth.
+constexpr int kStreamLoads = 16;  // 16-byte weight loads in flight per lane
+constexpr int kStreamBlocksPerSm = 4;
+
+// hidden[pair, j] = act(gate_j . x_t + b, up_j . x_t + b) for the warp's column j (gated), or
+// act(row_j . x_t + b) for its two columns j, j + 1 (ungated). grid ceil(P * cols / 4) blocks of 4 warps.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm)
+    up_stream_kernel(const ExpertsArgs a, float* __restrict__ hidden) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The down kernel (launched as a programmatic dependent) may start now: it requests its own weights
+  // and then waits for this grid's rows before reading them.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
+  const int cols = a.has_gate ? 1 : 2;
+  const int64_t warps_per_pair = (I + cols - 1) / cols;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t pair = w / warps_per_pair;
+  if (pair >= a.tokens * a.top_k) return;
+  const int64_t e = load_id(a, pair);
+  if (e < 0 || e >= a.experts) return;  // sentinel (or invalid: the down kernel poisons that token)
+  const int64_t j = (w % warps_per_pair) * cols;
+  const T* base = static_cast<const T*>(a.up) + e * N * H;
+  // Gated: the gate and up rows of column j; ungated: columns j and j + 1 (clamped; not stored past I).
+  const T* row0 = base + (a.has_gate ? gate_col(a, j) : j) * H;
+  const T* row1 = base + (a.has_gate ? up_col(a, j) : min(j + 1, I - 1)) * H;
+  const T* x = static_cast<const T*>(a.x) + (pair / a.top_k) * H;
+  constexpr int V = kVec<T>, L = kStreamLoads / 2;
+  float acc0 = 0.0f, acc1 = 0.0f;
+  for (int64_t h0 = 0; h0 < H; h0 += 32 * V * L) {
+    uint4 w0[L], w1[L], xv[L];
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      const int64_t h = h0 + (l * 32 + lane) * V;
+      if (h < H) w0[l] = load_stream_raw(row0 + h), w1[l] = load_stream_raw(row1 + h);
+    }
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      const int64_t h = h0 + (l * 32 + lane) * V;
+      if (h < H) xv[l] = __ldg(reinterpret_cast<const uint4*>(x + h));
+    }
+#pragma unroll
+    for (int l = 0; l < L; ++l) {
+      const int64_t h = h0 + (l * 32 + lane) * V;
+      if (h < H) acc0 = dot_vec<T>(w0[l], xv[l], acc0), acc1 = dot_vec<T>(w1[l], xv[l], acc1);
+    }
+  }
+  acc0 = warp_sum(acc0);
+  acc1 = warp_sum(acc1);
+  if (lane != 0) return;
+  const T* b = a.up_bias ? static_cast<const T*>(a.up_bias) + e * N : nullptr;
+  float* out = hidden + pair * I;
+  if (a.has_gate) {
+    if (b) acc0 += to_f(b[gate_col(a, j)]), acc1 += to_f(b[up_col(a, j)]);
+    out[j] = activate(a, acc0, acc1);
+    return;
+  }
+  out[j] = activate(a, acc0 + (b ? to_f(b[j]) : 0.0f), 0.0f);
+  if (j + 1 < I) out[j + 1] = activate(a, acc1 + (b ? to_f(b[j + 1]) : 0.0f), 0.0f);
+}
+
+// out[t, h] = sum_k w[t, k] * (down_e[h] . hidden[t * K + k] + b2[e, h]) for kStreamRows hidden
+// columns h0.. of token t per block. Warp k takes pair k (and k + warps, ...): the kStreamRows
+// consecutive down rows of its expert (one contiguous stretch of memory), loads running over (row,
+// 16-byte piece) in order, kStreamLoads at a time; each row's dot product, reduced over the warp, goes
+// to shared memory, and one thread per column then adds the pairs in order k = 0..K-1. Launched as a
+// programmatic dependent of the up kernel (sm_90), a warp issues its first round of weight loads
+// before griddepcontrol.wait. grid (T, ceil(H / kStreamRows)), block 32 * min(K, 8), shared memory
+// K * kStreamRows floats.
+constexpr int kStreamRows = 8;
+constexpr int kStreamDownWarps = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kStreamDownWarps * 32)
+    down_stream_kernel(const ExpertsArgs a, const float* hidden) {
+  extern __shared__ float row_sums[];  // [K][kStreamRows]
+  const int64_t H = a.hidden, I = a.intermediate, K = a.top_k;
+  const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kStreamRows;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  constexpr int V = kVec<T>, L = kStreamLoads, R = kStreamRows;
+  const int pieces = static_cast<int>((I + 32 * V - 1) / (32 * V));  // 16-byte loads per lane per row
+  const int total = R * pieces;
+  for (int64_t k = warp; k < K; k += warps) {
+    const int64_t pair = t * K + k, e = load_id(a, pair);
+    const bool valid = e >= 0 && e < a.experts;
+    const T* rows = static_cast<const T*>(a.down) + ((valid ? e : 0) * H + h0) * I;
+    const float* hid = hidden + pair * I;
+    float acc = 0.0f;
+    int r0 = 0, c0 = 0;  // the row and piece of the round's first load
+    for (int f0 = 0; f0 < total; f0 += L) {
+      uint4 wv[L];
+#pragma unroll
+      for (int l = 0, r = r0, c = c0; l < L; ++l) {
+        const int64_t i = (static_cast<int64_t>(c) * 32 + lane) * V;
+        if (valid && f0 + l < total && h0 + r < H && i < I) wv[l] = load_stream_raw(rows + r * I + i);
+        if (++c == pieces) c = 0, ++r;
+      }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // The hidden rows come from the up kernel: wait for it (at once when launched plainly, or once done).
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        if (f0 + l >= total) break;
+        const int64_t i = (static_cast<int64_t>(c0) * 32 + lane) * V;
+        if (valid && h0 + r0 < H && i < I) acc = dot_vec<T>(wv[l], hid + i, acc);
+        if (++c0 == pieces) {  // row r0 is complete
+          const float v = warp_sum(acc);
+          if (lane == 0) row_sums[k * R + r0] = v;
+          acc = 0.0f, c0 = 0, ++r0;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t h = h0 + threadIdx.x;
+  if (threadIdx.x >= R || h >= H) return;
+  float out = 0.0f;
+  bool invalid = false;
+  for (int64_t k = 0; k < K; ++k) {  // in order
+    const int64_t pair = t * K + k, e = load_id(a, pair);
+    if (e < 0) invalid = true;
+    if (e < 0 || e >= a.experts) continue;
+    const float bias = a.down_bias ? to_f(static_cast<const T*>(a.down_bias)[e * H + h]) : 0.0f;
+    out = fmaf(load_routing_weight<T>(a, pair), row_sums[k * R + threadIdx.x] + bias, out);
+  }
+  static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out);
 }
 
 // Transposed up [E, H, N]: consecutive threads take consecutive columns (coalesced), four slices of
@@ -176,34 +295,15 @@ __device__ __forceinline__ void store_down_output(const ExpertsArgs& a, int64_t 
   if (h < a.hidden) static_cast<T*>(a.out)[t * a.hidden + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : v);
 }
 
-// out[t, h] = sum_k w[t, k] * (down_e[h] . hidden[t * K + k] + b2[e, h]), k in order.
-// Each warp takes kDownRows hidden columns and runs the K pairs kPairsAtOnce at a time with separate
-// accumulators (more loads in flight for one token), then adds them to the output in order k = 0..K-1.
-// grid (T, ceil(H / (4 * kDownRows))), block 128.
-
-template <typename T, bool kVectorised>
-__global__ void __launch_bounds__(kWarps * 32) down_rows_kernel(const ExpertsArgs a, const float* __restrict__ hidden,
-                                                                bool prefetch_weights) {
+// out[t, h] = sum_k w[t, k] * (down_e[h] . hidden[t * K + k] + b2[e, h]), k in order; any I and
+// alignment (rows that allow 16-byte loads take down_stream_kernel). Each warp takes kDownRows hidden
+// columns and runs the K pairs kPairsAtOnce at a time with separate accumulators, then adds them to the
+// output in order k = 0..K-1. grid (T, ceil(H / (4 * kDownRows))), block 128.
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32) down_rows_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
   const int64_t t = blockIdx.x, H = a.hidden, I = a.intermediate;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kDownRows;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched as a programmatic dependent of the up kernel (sm_90, prefetch_weights), this grid may run
-  // alongside it. The weight rows it streams do not depend on the up kernel: ask L2 for them now (128
-  // bytes a lane), then wait for the up kernel's rows to be complete and visible. Launched plainly,
-  // the wait returns at once.
-  for (int64_t k = 0; prefetch_weights && k < a.top_k; ++k) {
-    const int64_t e = load_id(a, t * a.top_k + k);
-    if (e < 0 || e >= a.experts) continue;
-#pragma unroll
-    for (int r = 0; r < kDownRows; ++r) {
-      const char* row = reinterpret_cast<const char*>(static_cast<const T*>(a.down) + (e * H + min(h0 + r, H - 1)) * I);
-      for (int64_t at = int64_t{lane} * 128; at < I * static_cast<int64_t>(sizeof(T)); at += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
-    }
-  }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
   float out_acc[kDownRows] = {};
   bool invalid = false;
   for (int64_t k0 = 0; k0 < a.top_k; k0 += kPairsAtOnce) {
@@ -228,40 +328,14 @@ __global__ void __launch_bounds__(kWarps * 32) down_rows_kernel(const ExpertsArg
         acc[q][r] = 0.0f;
       }
     }
-    if constexpr (kVectorised) {
-      constexpr int V = kVec<T>;
-      for (int64_t i = lane * V; i < I; i += 32 * V) {
-        float wv[kPairsAtOnce][kDownRows][V];
+    for (int64_t i = lane; i < I; i += 32)
 #pragma unroll
-        for (int q = 0; q < kPairsAtOnce; ++q)
+      for (int q = 0; q < kPairsAtOnce; ++q) {
+        if (expert[q] < 0) continue;
+        const float hi = hid[q][i];
 #pragma unroll
-          for (int r = 0; r < kDownRows; ++r)
-            if (expert[q] >= 0) load_vec_stream(rows[q][r] + i, wv[q][r]);
-#pragma unroll
-        for (int q = 0; q < kPairsAtOnce; ++q) {
-          if (expert[q] < 0) continue;
-          float hv[V];
-#pragma unroll
-          for (int v = 0; v < V; v += 4) {
-            const float4 f = *reinterpret_cast<const float4*>(hid[q] + i + v);
-            hv[v] = f.x, hv[v + 1] = f.y, hv[v + 2] = f.z, hv[v + 3] = f.w;
-          }
-#pragma unroll
-          for (int v = 0; v < V; ++v)
-#pragma unroll
-            for (int r = 0; r < kDownRows; ++r) acc[q][r] = fmaf(wv[q][r][v], hv[v], acc[q][r]);
-        }
+        for (int r = 0; r < kDownRows; ++r) acc[q][r] = fmaf(to_f(rows[q][r][i]), hi, acc[q][r]);
       }
-    } else {
-      for (int64_t i = lane; i < I; i += 32)
-#pragma unroll
-        for (int q = 0; q < kPairsAtOnce; ++q) {
-          if (expert[q] < 0) continue;
-          const float hi = hid[q][i];
-#pragma unroll
-          for (int r = 0; r < kDownRows; ++r) acc[q][r] = fmaf(to_f(rows[q][r][i]), hi, acc[q][r]);
-        }
-    }
     add_pairs_in_order<T>(a, t, k0, h0, expert, acc, out_acc);
   }
   store_down_output<T>(a, t, h0, lane, out_acc, invalid);
@@ -538,37 +612,45 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
     return;
   }
   constexpr int V = kVec<T>;
-  const bool vec_up = a.hidden % V == 0 && aligned16(a.up);
-  const bool vec_down = a.intermediate % V == 0 && aligned16(a.down);
-  auto* up_kernel = vec_up ? up_rows_kernel<T, true> : up_rows_kernel<T, false>;
-  MOEKIT_CUDA_CHECK(
-      cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
-  up_kernel<<<dim3(static_cast<unsigned>(P),
-                   static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
-              kWarps * 32, x_bytes, stream>>>(a, hidden);
+  const bool stream_up = a.hidden % V == 0 && aligned16(a.up) && aligned16(a.x);
+  const bool stream_down = a.intermediate % V == 0 && aligned16(a.down) && aligned16(hidden);
+  if (stream_up) {
+    const int64_t warps = P * (a.has_gate ? a.intermediate : (a.intermediate + 1) / 2);
+    MOEKIT_CHECK((warps + kWarps - 1) / kWarps <= 0x7fffffff, "batched_mm: too many pairs for one launch");
+    up_stream_kernel<T><<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(a, hidden);
+  } else {
+    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(up_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(x_bytes)));
+    up_rows_kernel<T><<<dim3(static_cast<unsigned>(P),
+                             static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
+                        kWarps * 32, x_bytes, stream>>>(a, hidden);
+  }
   MOEKIT_CUDA_CHECK_LAUNCH();
-  auto* down_kernel = vec_down ? down_rows_kernel<T, true> : down_rows_kernel<T, false>;
-  constexpr int kDownPerBlock = kWarps * kDownRows;
-  // On Hopper, when the down weights the call can touch fit well inside L2, the down kernel is a
-  // programmatic dependent of the up kernel: its blocks start while the up kernel drains and prefetch
-  // their weights (griddepcontrol in both kernels; capturable in graphs). Larger sets would evict each
-  // other and the up kernel's stream (measured: DeepSeek-V3 at 1 token, 0.218 -> 0.245 ms), so they
-  // launch plainly.
-  const int64_t touched = std::min(a.tokens * a.top_k, a.experts);
-  const bool prefetch = device_is_sm90() &&
-                        touched * a.hidden * a.intermediate * static_cast<int64_t>(sizeof(T)) <= (int64_t{32} << 20);
+  if (!stream_down) {
+    constexpr int kDownPerBlock = kWarps * kDownRows;
+    down_rows_kernel<T><<<dim3(static_cast<unsigned>(a.tokens),
+                               static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
+                          kWarps * 32, 0, stream>>>(a, hidden);
+    MOEKIT_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  // On Hopper the down kernel is a programmatic dependent of the up kernel (griddepcontrol in both;
+  // capturable in graphs): its blocks start while the up kernel drains and request their first round
+  // of weights before waiting for the hidden rows.
+  MOEKIT_CHECK(a.top_k * kStreamRows * sizeof(float) <= 48 * 1024, "batched_mm: top_k = ", a.top_k, " is too large");
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock));
-  config.blockDim = dim3(kWarps * 32);
+  config.gridDim = dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kStreamRows - 1) / kStreamRows));
+  config.blockDim = dim3(32 * static_cast<unsigned>(std::min<int64_t>(a.top_k, kStreamDownWarps)));
+  config.dynamicSmemBytes = static_cast<std::size_t>(a.top_k) * kStreamRows * sizeof(float);
   config.stream = stream;
   cudaLaunchAttribute dependent{};
   dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   dependent.val.programmaticStreamSerializationAllowed = 1;
-  if (prefetch) {
+  if (device_is_sm90()) {
     config.attrs = &dependent;
     config.numAttrs = 1;
   }
-  MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, down_kernel, a, static_cast<const float*>(hidden), prefetch));
+  MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, down_stream_kernel<T>, a, static_cast<const float*>(hidden)));
 }
 
 }  // namespace

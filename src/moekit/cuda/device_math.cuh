@@ -53,16 +53,49 @@ __device__ __forceinline__ void load_vec(const T* p, float (&v)[kVec<T>]) {
   for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
 }
 
-// Streaming load for weights read once: does not keep them in L1.
-template <typename T>
-__device__ __forceinline__ void load_vec_stream(const T* p, float (&v)[kVec<T>]) {
+// Streaming 16-byte load (aligned) for weights read once: does not keep them in L1.
+__device__ __forceinline__ uint4 load_stream_raw(const void* p) {
   uint4 raw;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
                : "l"(p));
+  return raw;
+}
+
+// The same load, converted to floats.
+template <typename T>
+__device__ __forceinline__ void load_vec_stream(const T* p, float (&v)[kVec<T>]) {
+  const uint4 raw = load_stream_raw(p);
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
+}
+
+// acc + sum_i w[i] * x[i] over the kVec<T> elements of two 16-byte loads of T.
+template <typename T>
+__device__ __forceinline__ float dot_vec(const uint4 w, const uint4 x, float acc) {
+  const T* we = reinterpret_cast<const T*>(&w);
+  const T* xe = reinterpret_cast<const T*>(&x);
+#pragma unroll
+  for (int i = 0; i < kVec<T>; ++i) acc = fmaf(to_f(we[i]), to_f(xe[i]), acc);
+  return acc;
+}
+
+// acc + sum_i w[i] * x[i] over the kVec<T> elements of a 16-byte load of T and kVec<T> floats at x
+// (16-byte aligned), by plain (L1-cached) loads: x may come from the grid this one depends on, after
+// griddepcontrol.wait, and is read by many warps of the block.
+template <typename T>
+__device__ __forceinline__ float dot_vec(const uint4 w, const float* x, float acc) {
+  const T* we = reinterpret_cast<const T*>(&w);
+#pragma unroll
+  for (int i = 0; i < kVec<T>; i += 4) {
+    const float4 f = *reinterpret_cast<const float4*>(x + i);
+    acc = fmaf(to_f(we[i]), f.x, acc);
+    acc = fmaf(to_f(we[i + 1]), f.y, acc);
+    acc = fmaf(to_f(we[i + 2]), f.z, acc);
+    acc = fmaf(to_f(we[i + 3]), f.w, acc);
+  }
+  return acc;
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
