@@ -36,11 +36,13 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   if (const Support s = hopper_grouped_gemm_supports_device(Device::cuda()); !s) GTEST_SKIP() << s.reason;
   const GemmCase c = GetParam();
   const Device gpu = Device::cuda();
-  // N = 384 leaves the bf16 kernel's second 256-wide column block half outside; K = 384 is 6 (bf16) or 3
-  // (FP8) pipeline stages, so the stage ring wraps around within a tile.
+  // N = 384 leaves the bf16 kernel's second 256-wide column block partly outside (gated too: 192 outputs);
+  // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there. K = 384 is 6 (bf16) or 3 (FP8)
+  // pipeline stages, so the stage ring wraps around within a tile.
   const std::vector<int64_t> rows_per_group{100, 0, 257, 128, 1};
   const auto G = static_cast<int64_t>(rows_per_group.size());
-  const int64_t N = 384, K = 384;
+  const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
+  const int64_t N = c.fp8 && gated ? 512 : 384, K = 384;
   const Tensor offsets = contiguous_tile_offsets(rows_per_group);
   const int32_t* o = offsets.data_as<int32_t>();
   const int64_t M = int64_t{o[G]} * 128;
@@ -87,7 +89,6 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   hopper_grouped_gemm(p, out, stream.stream());
   stream.synchronize();
   const Tensor got = out.to(Device::cpu()).to(DType::f32);
-  const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
   const int64_t outputs = gated ? N / 2 : N;
   // Per row, so that one wrong group shows: bf16 outputs round to 2^-9 relative (about 1.1e-3 in a row's
   // norm), float ones carry only the float accumulation and (FP8) the tensor cores' reduced-precision sums
