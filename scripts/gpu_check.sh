@@ -2,7 +2,8 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|compare|model|sass|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|gemm|compare|model|sass|all]   (default all); results under $OUT if set.
+# gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
 # sass: registers, stack and spills of the Hopper kernels, and their count of HGMMA (wgmma) and of
 # local-memory instructions (LDL/STL), from the disassembly (cuobjdump exists on the GPU machine only).
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
@@ -22,6 +23,9 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   ./gpu-bundle/moekit bench --device cuda ${BENCH_ARGS:-} --json "$out/bench_cuda.json" --plot "$out/bench_cuda.svg" 2>&1 | tee "$out/bench_cuda.log"
+fi
+if [[ $what == gemm || $what == all ]]; then
+  ./gpu-bundle/moekit bench-gemm --device cuda ${GEMM_ARGS:-} --json "$out/bench_gemm.json" 2>&1 | tee "$out/bench_gemm.log"
 fi
 if [[ $what == compare || $what == all ]]; then
   PYTHONUNBUFFERED=1 python3 scripts/compare_transformers.py --moekit ./gpu-bundle/moekit --out "$out" ${COMPARE_ARGS:-} 2>&1 | tee "$out/compare.log"

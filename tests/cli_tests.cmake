@@ -124,6 +124,11 @@ foreach(weights fp8 fp8-ue8m0 fp4)
 endforeach()
 add_cli_test(cli_bench_weights_unknown EXPECT failure PATTERNS "--weights" "int4"
              ARGS bench --weights int4)
+# bench-gemm times the Hopper kernels only: elsewhere it stops at once with the reason.
+add_cli_test(cli_bench_gemm_refuses_the_cpu EXPECT failure PATTERNS "bench-gemm: .*compute capability 9.0"
+             ARGS bench-gemm --device cpu)
+add_cli_test(cli_bench_gemm_unknown_format EXPECT failure PATTERNS "--format" "int4"
+             ARGS bench-gemm --format int4)
 # moekit quantize: a fixture's experts to FP4 (the qwen3_moe fixture's I = 24 runs FP4 quantised; FP8 would be
 # dequantised at load), then generation from the copy names the quantised experts. The output directory is
 # cleared first so that the tests run again.

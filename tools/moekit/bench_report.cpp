@@ -63,7 +63,15 @@ void create_parent_directory(const std::string& path) {
   MOEKIT_CHECK(!ec, "cannot create directory ", parent.string(), ": ", ec.message());
 }
 
-void write_file(const std::string& path, const std::string& text) {
+}  // namespace
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void write_text_file(const std::string& path, const std::string& text) {
   create_parent_directory(path);
   std::ofstream file(path, std::ios::binary | std::ios::trunc);
   MOEKIT_CHECK(file.good(), "cannot open ", path, " for writing");
@@ -71,6 +79,8 @@ void write_file(const std::string& path, const std::string& text) {
   file.close();
   MOEKIT_CHECK(file.good(), "failed writing ", path);
 }
+
+namespace {
 
 nlohmann::ordered_json row_to_json(const BenchRow& row) {
   nlohmann::ordered_json j;
@@ -331,7 +341,7 @@ void write_json(const BenchReport& report, const std::string& path) {
   root["refused_shapes"] = report.refused_shapes;
   root["rows"] = nlohmann::ordered_json::array();
   for (const BenchRow& r : report.rows) root["rows"].push_back(row_to_json(r));
-  write_file(path, root.dump(2) + "\n");
+  write_text_file(path, root.dump(2) + "\n");
 }
 
 void write_svg(const BenchReport& report, const std::string& path) {
@@ -420,7 +430,7 @@ void write_svg(const BenchReport& report, const std::string& path) {
     svg.text(12, fy, line, 12);
     fy += 18;
   }
-  write_file(path, svg.finish(width, height));
+  write_text_file(path, svg.finish(width, height));
 }
 
 }  // namespace moekit::cli

@@ -84,6 +84,12 @@ struct BenchReport {
   std::vector<BenchRow> rows;
 };
 
+// The median of timing samples (non-empty).
+double median(std::vector<double> samples);
+
+// Writes text to path, creating its directory when missing; throws moekit::Error when it cannot.
+void write_text_file(const std::string& path, const std::string& text);
+
 // Both create the file's directory when missing and throw moekit::Error when the file cannot be written.
 void write_json(const BenchReport& report, const std::string& path);
 // Time per call against tokens, both log scale: one panel per shape that has results, one line per backend.

@@ -26,6 +26,7 @@
 #include "moekit/commands.h"
 #include "moekit/device.h"
 #include "moekit/experts.h"
+#include "moekit/flag_table.h"
 #include "moekit/random_problem.h"
 
 namespace moekit::cli {
@@ -63,67 +64,6 @@ constexpr double kSettleMs = 100;
 // ...and a case never gets fewer runs than this unless one call alone overruns the time budget.
 constexpr int kMinRuns = 3;
 constexpr int kMaxRuns = 1000;
-
-// Declares each flag once (name, default, help) and keeps a reader for its value, so that the options
-// printed at the start and stored in the JSON are exactly the declared flags, in declaration order.
-class FlagTable {
- public:
-  explicit FlagTable(CLI::App* cmd) : cmd_(cmd) {}
-
-  template <typename T>
-  CLI::Option* add(const std::string& name, T& value, const std::string& help) {
-    readers_.emplace_back(name, [&value] { return nlohmann::ordered_json(value); });
-    if constexpr (std::is_same_v<T, bool>)
-      return cmd_->add_flag(name, value, help);  // --graphs, no value
-    else
-      return cmd_->add_option(name, value, help)->capture_default_str();
-  }
-
-  nlohmann::ordered_json values() const {
-    nlohmann::ordered_json j;
-    for (const auto& [name, read] : readers_) j[name.substr(2)] = read();
-    return j;
-  }
-
-  // The flags as a command line that repeats this run ("--tokens 1,8 --dtype bf16 ...").
-  std::string command_line() const {
-    std::string line;
-    for (const auto& [name, read] : readers_) {
-      const nlohmann::ordered_json v = read();
-      if (v.is_boolean()) {  // a flag: present when true
-        if (v.get<bool>()) line += (line.empty() ? "" : " ") + name;
-        continue;
-      }
-      std::string text;
-      if (v.is_array()) {
-        for (const auto& item : v)
-          text += (text.empty() ? "" : ",") + (item.is_string() ? item.get<std::string>() : item.dump());
-      } else {
-        text = v.is_string() ? v.get<std::string>() : v.dump();
-      }
-      line += (line.empty() ? "" : " ") + name + " " + (text.empty() ? "''" : text);
-    }
-    return line;
-  }
-
- private:
-  CLI::App* cmd_;
-  std::vector<std::pair<std::string, std::function<nlohmann::ordered_json()>>> readers_;
-};
-
-// CLI11's own range checks print the whole numeric range of the type; this names the bound instead.
-CLI::Validator at_least(double bound) {
-  char bound_text[32];
-  std::snprintf(bound_text, sizeof(bound_text), "%g", bound);
-  return CLI::Validator(
-      [bound, shown = std::string(bound_text)](std::string& text) {
-        char* end = nullptr;
-        const double v = std::strtod(text.c_str(), &end);
-        const bool ok = !text.empty() && *end == '\0' && v >= bound;
-        return ok ? std::string() : "must be a number >= " + shown + ", got " + text;
-      },
-      ">=" + std::string(bound_text));
-}
 
 struct BenchCommand {
   BenchOptions options;
@@ -414,12 +354,6 @@ std::pair<std::size_t, std::string> largest_workspace(const BenchShape& s, DType
 }
 
 // --- One case ------------------------------------------------------------------------------------------------
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct TimingPlan {
   int warmup = 0;

@@ -9,6 +9,7 @@ namespace moekit::cli {
 void add_backends_command(CLI::App& app);
 void add_experts_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
+void add_bench_gemm_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_forward_command(CLI::App& app);
 void add_make_model_command(CLI::App& app);

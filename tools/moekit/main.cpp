@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   moekit::cli::add_backends_command(app);
   moekit::cli::add_experts_command(app);
   moekit::cli::add_bench_command(app);
+  moekit::cli::add_bench_gemm_command(app);
   moekit::cli::add_generate_command(app);
   moekit::cli::add_forward_command(app);
   moekit::cli::add_make_model_command(app);

@@ -23,17 +23,21 @@ bool hopper_kernels_take_fp8(const ExpertsProblem& p) {
          aligned16(p.gate_up_proj) && aligned16(p.down_proj);
 }
 
+Support hopper_cuda_device_support(Device device, const std::string& who) {
+  if (Support s = cuda_device_support(device); !s) return s;
+  const auto cc = device_compute_capability(device);
+  if (!cc || cc->major != 9 || cc->minor != 0)
+    return Support::no(who + " needs a Hopper GPU (compute capability 9.0, sm_90a code); this device is " +
+                       (cc ? std::to_string(cc->major) + "." + std::to_string(cc->minor) : std::string("unknown")));
+  return Support::yes();
+}
+
 Support HopperBackend::supports_device(Device device) const {
   const std::string n(name());
   if (device.is_cpu())
     return Support::no("not supported on this device: " + n +
                        " runs on Hopper GPUs (compute capability 9.0) only; on the CPU use grouped_mm");
-  if (Support s = cuda_device_support(device); !s) return s;
-  const auto cc = device_compute_capability(device);
-  if (!cc || cc->major != 9 || cc->minor != 0)
-    return Support::no(n + " needs a Hopper GPU (compute capability 9.0, sm_90a code); this device is " +
-                       (cc ? std::to_string(cc->major) + "." + std::to_string(cc->minor) : std::string("unknown")));
-  return Support::yes();
+  return hopper_cuda_device_support(device, n);
 }
 
 Support HopperBackend::supports(const ExpertsProblem& p) const {

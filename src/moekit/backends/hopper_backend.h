@@ -15,6 +15,9 @@ namespace moekit::backends {
 // activations, untransposed weights, H and I multiples of 128 (grouped_mm asks this).
 bool hopper_kernels_take_fp8(const ExpertsProblem& p);
 
+// yes for a visible compute capability 9.0 GPU in a CUDA build; otherwise why not, naming `who`.
+Support hopper_cuda_device_support(Device device, const std::string& who);
+
 class HopperBackend : public ExpertsBackend {
  public:
   Support supports_device(Device device) const override;

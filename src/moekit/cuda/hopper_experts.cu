@@ -13,6 +13,8 @@
 // intermediate in float, a pass quantises it the same way, and the second GEMM reads it in e4m3;
 // the GEMMs take 128-wide weight tiles and apply the scales per 128-deep block.
 // The combine is grouped_mm's (pairs added in k order, in float), so results are deterministic.
+// Both projections go through run_projection, which hopper_grouped_gemm (hopper_gemm.h) also calls to
+// run one of these GEMMs alone.
 // Both GEMMs run in clusters of two blocks that share (multicast) their weight tiles where both row
 // tiles belong to one expert; MOEKIT_DEEPGEMM_CLUSTER=1 in the environment turns that off (a knob for
 // measuring it, read once).
@@ -27,6 +29,7 @@
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/fp8_math.cuh"
 #include "moekit/cuda/grouped_gemm.cuh"
+#include "moekit/cuda/hopper_gemm.h"
 #include "moekit/cuda/hopper_grouped_gemm.cuh"
 #include "moekit/cuda/tensor_map.h"
 
@@ -240,12 +243,52 @@ CUtensorMap scales_map(const float* scales, int64_t K, int64_t M) {
   return make_tensor_map(scales, DType::f32, s);
 }
 
+// One projection over the contiguous layout: rows [M, K] (FP8: e4m3 codes with scales [K / 128, M])
+// times each row tile's expert's weights [E, parts * part_rows, K] -> out through the epilogue. What the
+// experts forward runs twice and hopper_grouped_gemm (the GEMM alone) once.
+struct GemmProjection {
+  const void* rows = nullptr;  // unused with kGatherA: the producer gathers the token rows from a.x
+  const float* row_scales = nullptr;
+  int64_t depth = 0;  // K
+  const void* weights = nullptr;
+  const void* weight_scales = nullptr;
+  int64_t part_rows = 0;  // weight rows per part
+  int parts = 1;          // 2: gate and up rows, paired by the gated epilogue
+  bool interleaved = false;
+  int64_t outputs = 0;  // columns of out
+  void* out = nullptr;
+  bool weighted = false;  // store_rows multiplies each row by its pair's routing weight
+};
+
+template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
+void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int32_t* padded_pair, int64_t max_tiles,
+                    const GemmProjection& j, cudaStream_t stream) {
+  constexpr int BN = kTileN<kFp8>;
+  const DType operand = kFp8 ? DType::f8_e4m3 : a.dtype;
+  const int64_t stage_k = hopper::kStageK<kFp8>, M = max_tiles * kBlockM, N = j.parts * j.part_rows;
+  hopper::GemmParams p;
+  p.a = a;
+  p.tile_offsets = tile_offsets;
+  p.padded_pair = padded_pair;
+  p.weight_rows = j.weighted;
+  p.k_blocks = static_cast<int>((j.depth + stage_k - 1) / stage_k);
+  p.n_blocks = static_cast<int>((N + BN - 1) / BN);
+  p.interleaved = j.interleaved;
+  p.outputs = j.outputs;
+  p.out = j.out;
+  p.b_scales = j.weight_scales;
+  p.b_scale_rows = (N + 127) / 128;
+  // The gathering producer never reads the A map; it still gets a valid one (over the weights).
+  const CUtensorMap a_map = kGatherA ? rows_map(j.weights, a.dtype, j.depth, 1) : rows_map(j.rows, operand, j.depth, M);
+  const CUtensorMap s_map = kFp8 ? scales_map(j.row_scales, j.depth, M) : a_map;
+  const CUtensorMap b_map =
+      weight_map(j.weights, operand, j.depth, j.part_rows, j.parts, j.interleaved, a.experts, BN / 2);
+  launch_gemm<T, kEpi, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
+}
+
 template <typename T, bool kFp8>
 void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stream) {
-  constexpr int BN = kTileN<kFp8>;
   const bool gather = v == Variant::sonicmoe;
-  const DType operand = kFp8 ? DType::f8_e4m3 : a.dtype;
-  const int64_t stage_k = hopper::kStageK<kFp8>;
   const Layout l = layout(a, v);
   char* base = static_cast<char*>(workspace);
   DeviceRouting r;
@@ -265,55 +308,45 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
         a, r, pair_padded_row, padded_pair, rows, row_scales, M);
     MOEKIT_CUDA_CHECK_LAUNCH();
 
-    hopper::GemmParams up;
-    up.a = a;
-    up.tile_offsets = r.tile_offsets;
-    up.padded_pair = padded_pair;
-    up.k_blocks = static_cast<int>((a.hidden + stage_k - 1) / stage_k);
-    up.outputs = a.intermediate;
-    up.out = hidden;
-    up.interleaved = a.has_gate && !a.concatenated;
-    up.b_scales = a.up_scale;
-    up.b_scale_rows = ((a.has_gate ? 2 : 1) * a.intermediate + 127) / 128;
-    // sonicmoe gathers its rows and never reads the A map; it still gets a valid one (over the weights).
-    const CUtensorMap up_rows = gather ? rows_map(a.up, a.dtype, a.hidden, 1) : rows_map(rows, operand, a.hidden, M);
-    const CUtensorMap up_scales = kFp8 ? scales_map(row_scales, a.hidden, M) : up_rows;
-    const int parts = a.has_gate ? 2 : 1;
-    up.n_blocks = static_cast<int>((a.intermediate * parts + BN - 1) / BN);
-    const CUtensorMap up_w =
-        weight_map(a.up, operand, a.hidden, a.intermediate, parts, up.interleaved, a.experts, BN / 2);
+    const GemmProjection up{.rows = rows,
+                            .row_scales = row_scales,
+                            .depth = a.hidden,
+                            .weights = a.up,
+                            .weight_scales = a.up_scale,
+                            .part_rows = a.intermediate,
+                            .parts = a.has_gate ? 2 : 1,
+                            .interleaved = a.has_gate && !a.concatenated,
+                            .outputs = a.intermediate,
+                            .out = hidden};
     auto launch_up = [&]<Epilogue kEpi>() {
       if constexpr (!kFp8)
-        if (gather) return launch_gemm<T, kEpi, true, false>(up_rows, up_w, up_scales, up, max_tiles, stream);
-      launch_gemm<T, kEpi, false, kFp8>(up_rows, up_w, up_scales, up, max_tiles, stream);
+        if (gather) return run_projection<T, kEpi, true, false>(a, r.tile_offsets, padded_pair, max_tiles, up, stream);
+      run_projection<T, kEpi, false, kFp8>(a, r.tile_offsets, padded_pair, max_tiles, up, stream);
     };
     if (a.has_gate)
       launch_up.template operator()<Epilogue::gated_activation>();
     else
       launch_up.template operator()<Epilogue::activation>();
 
-    const void* down_operand = hidden;
+    const void* down_rows = hidden;
+    const float* down_scales = nullptr;
     if constexpr (kFp8) {
       quantize_hidden_kernel<<<static_cast<unsigned>(std::min<int64_t>(M, 65535)), 128, 0, stream>>>(
           a, r.tile_offsets, static_cast<const float*>(hidden), hidden_q, hidden_scales, M);
       MOEKIT_CUDA_CHECK_LAUNCH();
-      down_operand = hidden_q;
+      down_rows = hidden_q;
+      down_scales = hidden_scales;
     }
-    hopper::GemmParams down;
-    down.a = a;
-    down.tile_offsets = r.tile_offsets;
-    down.padded_pair = padded_pair;
-    down.weight_rows = gather;  // sonicmoe weights its rows here, deepgemm in the combine
-    down.k_blocks = static_cast<int>((a.intermediate + stage_k - 1) / stage_k);
-    down.n_blocks = static_cast<int>((a.hidden + BN - 1) / BN);
-    down.outputs = a.hidden;
-    down.out = y;
-    down.b_scales = a.down_scale;
-    down.b_scale_rows = (a.hidden + 127) / 128;
-    const CUtensorMap down_rows = rows_map(down_operand, operand, a.intermediate, M);
-    const CUtensorMap down_scales = kFp8 ? scales_map(hidden_scales, a.intermediate, M) : down_rows;
-    const CUtensorMap down_w = weight_map(a.down, operand, a.intermediate, a.hidden, 1, false, a.experts, BN / 2);
-    launch_gemm<T, Epilogue::store_rows, false, kFp8>(down_rows, down_w, down_scales, down, max_tiles, stream);
+    const GemmProjection down{.rows = down_rows,
+                              .row_scales = down_scales,
+                              .depth = a.intermediate,
+                              .weights = a.down,
+                              .weight_scales = a.down_scale,
+                              .part_rows = a.hidden,
+                              .outputs = a.hidden,
+                              .out = y,
+                              .weighted = gather};  // sonicmoe weights its rows here, deepgemm in the combine
+    run_projection<T, Epilogue::store_rows, false, kFp8>(a, r.tile_offsets, padded_pair, max_tiles, down, stream);
   }
   launch_combine_rows(a, pair_padded_row, y, false, /*weighted=*/!gather, stream);
 }
@@ -353,6 +386,41 @@ std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a) {
 
 void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   forward(a, workspace, Variant::sonicmoe, stream);
+}
+
+void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
+  const bool gated = g.epilogue == HopperGemmEpilogue::gated_silu;
+  // What the kernel reads of an experts call: the sizes its epilogues and scale lookups use, the
+  // activation and the scale format; no biases, routing or gathered rows.
+  ExpertsArgs a;
+  a.dtype = DType::bf16;
+  a.experts = g.groups;
+  a.hidden = gated ? g.k : g.n;
+  a.intermediate = gated ? g.n / 2 : g.k;
+  a.has_gate = true;
+  a.act = Act::silu;
+  a.fp8 = g.fp8;
+  a.ue8m0_scales = g.ue8m0_scales;
+  const int parts = gated ? 2 : 1;
+  const GemmProjection j{.rows = g.rows,
+                         .row_scales = g.row_scales,
+                         .depth = g.k,
+                         .weights = g.weights,
+                         .weight_scales = g.weight_scales,
+                         .part_rows = g.n / parts,
+                         .parts = parts,
+                         .outputs = g.n / parts,
+                         .out = g.out};
+  // The same instantiations as the layer's: store_rows is its second projection, gated its first.
+  auto run = [&]<Epilogue kEpi, bool kFp8>() {
+    run_projection<bf16, kEpi, false, kFp8>(a, g.tile_offsets, nullptr, g.max_tiles, j, stream);
+  };
+  if (gated)
+    g.fp8 ? run.template operator()<Epilogue::gated_activation, true>()
+          : run.template operator()<Epilogue::gated_activation, false>();
+  else
+    g.fp8 ? run.template operator()<Epilogue::store_rows, true>()
+          : run.template operator()<Epilogue::store_rows, false>();
 }
 
 }  // namespace moekit::cuda

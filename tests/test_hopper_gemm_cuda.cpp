@@ -1,0 +1,157 @@
+// The Hopper grouped GEMM alone (include/moekit/hopper_gemm.h) against a float64 product on the host of
+// the very operand values it reads (bf16, or e4m3 codes times their scales), on a small shape with
+// several groups, row counts that are not multiples of 128 (padding inside tiles), an empty group and
+// a column block of N that is only partly inside. Needs a compute capability 9.0 GPU; skips elsewhere.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+#include "moekit/device.h"
+#include "moekit/hopper_gemm.h"
+#include "moekit/random_problem.h"
+
+namespace moekit {
+namespace {
+
+struct GemmCase {
+  const char* name;
+  bool fp8;
+  DType scale_dtype;  // FP8 weight scales
+  GroupedGemmEpilogue epilogue;
+};
+
+class HopperGroupedGemmCuda : public ::testing::TestWithParam<GemmCase> {};
+
+// The host operands as the values the products use, row-major: rows [M, K] and weights [G, N, K].
+struct HostOperands {
+  std::vector<double> rows, weights;
+};
+
+TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
+  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
+  if (const Support s = hopper_grouped_gemm_supports_device(Device::cuda()); !s) GTEST_SKIP() << s.reason;
+  const GemmCase c = GetParam();
+  const Device gpu = Device::cuda();
+  // N = 384 leaves the bf16 kernel's second 256-wide column block partly outside (gated too: 192 outputs);
+  // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there. K = 384 is 6 (bf16) or 3 (FP8)
+  // pipeline stages, so the stage ring wraps around within a tile.
+  const std::vector<int64_t> rows_per_group{100, 0, 257, 128, 1};
+  const auto G = static_cast<int64_t>(rows_per_group.size());
+  const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
+  const int64_t N = c.fp8 && gated ? 512 : 384, K = 384;
+  const Tensor offsets = contiguous_tile_offsets(rows_per_group);
+  const int32_t* o = offsets.data_as<int32_t>();
+  const int64_t M = int64_t{o[G]} * 128;
+
+  Tensor w = Tensor::empty({G, N, K}, DType::f32), x = Tensor::empty({M, K}, DType::f32);
+  fill_uniform(w, 1.0f / std::sqrt(static_cast<float>(K)), 31);
+  fill_uniform(x, 1.0f, 32);
+  GroupedGemmProblem p;
+  p.epilogue = c.epilogue;
+  p.tile_offsets = offsets.to(gpu);
+  HostOperands h;
+  h.rows.resize(static_cast<std::size_t>(M * K));
+  h.weights.resize(static_cast<std::size_t>(G * N * K));
+  if (!c.fp8) {
+    const Tensor wb = w.to(DType::bf16), xb = x.to(DType::bf16);
+    for (std::size_t i = 0; i < h.weights.size(); ++i) h.weights[i] = to_float(wb.data_as<bf16>()[i]);
+    for (std::size_t i = 0; i < h.rows.size(); ++i) h.rows[i] = to_float(xb.data_as<bf16>()[i]);
+    p.rows = xb.to(gpu);
+    p.weights = wb.to(gpu);
+  } else {
+    const QuantizedWeights q = quantize_weights(w, WeightFormat::fp8_e4m3, c.scale_dtype);
+    const Tensor dequantized = dequantize_weights(q.weights, q.scale_inv);
+    for (std::size_t i = 0; i < h.weights.size(); ++i) h.weights[i] = dequantized.data_as<float>()[i];
+    const int64_t blocks = K / 128;
+    Tensor codes = Tensor::empty({M, K}, DType::f8_e4m3), row_scales = Tensor::empty({blocks, M}, DType::f32);
+    std::vector<float> values(static_cast<std::size_t>(K)), scales(static_cast<std::size_t>(blocks));
+    for (int64_t r = 0; r < M; ++r) {
+      quantize_activations(x.data_as<float>() + r * K, K, c.scale_dtype == DType::ue8m0, values.data(),
+                           codes.data_as<f8_e4m3>() + r * K, scales.data());
+      for (int64_t k = 0; k < K; ++k) h.rows[static_cast<std::size_t>(r * K + k)] = values[static_cast<std::size_t>(k)];
+      for (int64_t b = 0; b < blocks; ++b) row_scales.data_as<float>()[b * M + r] = scales[static_cast<std::size_t>(b)];
+    }
+    p.rows = codes.to(gpu);
+    p.row_scales = row_scales.to(gpu);
+    p.weights = q.weights.to(gpu);
+    p.weight_scales = q.scale_inv.to(gpu);
+  }
+  const Support support = hopper_grouped_gemm_supports(p);
+  ASSERT_TRUE(support.ok) << support.reason;
+
+  Tensor out = Tensor::empty(grouped_gemm_out_shape(p), grouped_gemm_out_dtype(p), gpu);
+  out.fill_bytes(0xFF);  // NaN in bf16 and f32: a row the kernel does not write fails
+  DeviceStream stream(gpu, /*ordered_with_default=*/true);  // after the poison, queued on the default stream
+  hopper_grouped_gemm(p, out, stream.stream());
+  stream.synchronize();
+  const Tensor got = out.to(Device::cpu()).to(DType::f32);
+  const int64_t outputs = gated ? N / 2 : N;
+  // Per row, so that one wrong group shows: bf16 outputs round to 2^-9 relative (about 1.1e-3 in a row's
+  // norm), float ones carry only the float accumulation and (FP8) the tensor cores' reduced-precision sums
+  // within each 128-deep block.
+  const double tolerance = grouped_gemm_out_dtype(p) == DType::bf16 ? 4e-3 : 1e-3;
+  std::vector<double> product(static_cast<std::size_t>(N));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t r = 0; r < rows_per_group[static_cast<std::size_t>(g)]; ++r) {
+      const int64_t row = int64_t{o[g]} * 128 + r;
+      for (int64_t n = 0; n < N; ++n) {
+        double sum = 0;
+        for (int64_t k = 0; k < K; ++k)
+          sum +=
+              h.rows[static_cast<std::size_t>(row * K + k)] * h.weights[static_cast<std::size_t>((g * N + n) * K + k)];
+        product[static_cast<std::size_t>(n)] = sum;
+      }
+      double err = 0, norm = 0;
+      bool finite = true;
+      for (int64_t j = 0; j < outputs; ++j) {
+        double want = product[static_cast<std::size_t>(j)];
+        if (gated) {
+          const double up = product[static_cast<std::size_t>(outputs + j)];
+          want = want / (1.0 + std::exp(-want)) * up;
+        }
+        const double have = got.data_as<float>()[row * outputs + j];
+        finite = finite && std::isfinite(have);
+        err += (have - want) * (have - want);
+        norm += want * want;
+      }
+      ASSERT_TRUE(finite) << "group " << g << " row " << r << " (padded row " << row << ") has a non-finite output";
+      EXPECT_LE(std::sqrt(err / norm), tolerance) << "group " << g << " row " << r << " (padded row " << row << ")";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, HopperGroupedGemmCuda,
+                         ::testing::Values(GemmCase{"bf16_store", false, DType::f32, GroupedGemmEpilogue::store},
+                                           GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
+                                           GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
+                                           GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
+                                           GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu}),
+                         [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
+
+// The boundary checks answer before any work, with the reason (no GPU needed: a CPU tensor is refused
+// for its device, and a malformed problem on a Hopper GPU for its shapes).
+TEST(HopperGroupedGemm, RefusesTheCpuWithTheReason) {
+  GroupedGemmProblem p;
+  p.rows = Tensor::zeros({128, 128}, DType::bf16);
+  p.weights = Tensor::zeros({1, 128, 128}, DType::bf16);
+  p.tile_offsets = contiguous_tile_offsets({128});
+  const Support s = hopper_grouped_gemm_supports(p);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.reason.find("compute capability 9.0"), std::string::npos) << s.reason;
+  Tensor out = Tensor::empty({128, 128}, DType::bf16);
+  EXPECT_THROW(hopper_grouped_gemm(p, out, Stream{}), Error);
+}
+
+TEST(HopperGroupedGemm, TileOffsetsPadEachGroupTo128Rows) {
+  const Tensor offsets = contiguous_tile_offsets({100, 0, 257, 128, 1});
+  const std::vector<int32_t> want{0, 1, 1, 4, 5, 6};
+  ASSERT_EQ(offsets.shape(), Shape{6});
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(offsets.data_as<int32_t>()[i], want[i]) << i;
+}
+
+}  // namespace
+}  // namespace moekit
