@@ -14,6 +14,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "harness.h"
@@ -218,16 +219,18 @@ std::vector<HarnessCase> harness_cases() {
                        {}});
 
   // The same shapes rounded to whole 128 x 128 FP8 blocks (H = 512, I = 384: what deepgemm's FP8 path
-  // takes), with f32 and with ue8m0 scales.
-  for (const auto& w : weight_choices) {
-    if (w.format != WeightFormat::fp8_e4m3) continue;
-    for (const auto& nc : tiled_configs) {
-      RandomProblemOptions o = sized(300, 512, 384, 8, 4, DType::bf16, nc.config);
-      o.config.quantization.weights = w.format;
-      o.scale_dtype = w.scale_dtype;
-      cases.push_back({std::string("tiled_").append(w.name).append("_bf16_").append(nc.name), o, {}});
-    }
-  }
+  // takes), with f32 and with ue8m0 scales, and in FP4. Then sizes whose rows are whole 16-byte pieces (what
+  // the portable tensor-core kernels of quantised weights take) with a partial 128-wide block in H, I and
+  // 2I: H = 544, I = 416 (4 and 3 blocks plus 32).
+  for (const auto& w : weight_choices)
+    for (const auto& nc : tiled_configs)
+      for (auto [prefix, hidden, intermediate] :
+           {std::tuple{"tiled_", 512, 384}, std::tuple{"tiled_partial_", 544, 416}}) {
+        RandomProblemOptions o = sized(300, hidden, intermediate, 8, 4, DType::bf16, nc.config);
+        o.config.quantization.weights = w.format;
+        o.scale_dtype = w.scale_dtype;
+        cases.push_back({std::string(prefix).append(w.name).append("_bf16_").append(nc.name), o, {}});
+      }
 
   // Fresh random inputs per case.
   for (std::size_t i = 0; i < cases.size(); ++i) cases[i].options.seed = 1000 + i;
@@ -354,10 +357,7 @@ TEST_P(ExpertsHarness, MatchesReference) {
   const ExpertsProblem problem = test::problem_on(make_case_problem(p.c), p.device);
   const Support support = ExpertsInterface::global().get(p.backend).supports(problem);
   if (!support) {
-    // Quantised experts on CUDA are the one documented gap of the portable backends (only batched_mm
-    // reads FP8 there so far): a skip that carries the refusal. Any other refusal is a failure.
-    const bool known_gap = p.device.is_cuda() && problem.config.quantization.quantized();
-    if (test::is_portable_backend(p.backend) && !known_gap)
+    if (test::is_portable_backend(p.backend))
       FAIL() << "a portable backend declined a problem of the contract: " << support.reason << "\n  " << where;
     GTEST_SKIP() << p.backend << " declines this problem: " << support.reason;
   }
@@ -446,7 +446,8 @@ const std::vector<std::string> kCheckedCases = {"large_f32_swiglu",
                                                 "large_fp8_bf16_swiglu",
                                                 "large_fp8ue8m0_f32_swiglu",
                                                 "partial_blocks_fp4_bf16_gptoss",
-                                                "sentinels_fp8_bf16_relu2_nogate"};
+                                                "sentinels_fp8_bf16_relu2_nogate",
+                                                "tiled_partial_fp4_bf16_gptoss_untransposed"};
 
 INSTANTIATE_TEST_SUITE_P(Cpu, ExpertsHarnessChecks, ::testing::ValuesIn(params_for(Device::cpu(), kCheckedCases)),
                          param_name);

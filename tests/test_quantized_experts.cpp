@@ -1,6 +1,6 @@
 // Quantised experts problems (DESIGN §3): validation names the tensor and the expected shape and dtype, the
-// reference quantises activations as documented (checked by hand on values whose rounding is known), CUDA
-// backends refuse quantised problems by name, and the compute capability 10.x rule of deepgemm.
+// reference quantises activations as documented (checked by hand on values whose rounding is known), the Hopper
+// backends refuse FP4 problems on CUDA by name, and the compute capability 10.x rule of deepgemm.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "harness.h"
-#include "moekit/backends/hopper_backend.h"
 #include "moekit/backends/quantized_support.h"
 #include "moekit/experts.h"
 #include "moekit/quantization.h"
@@ -175,8 +174,8 @@ ExpertsProblem labelled_cuda(const ExpertsProblem& p) {
   return q;
 }
 
-// On CUDA, batched_mm and deepgemm run FP8 (their kernels read e4m3 bytes), grouped_mm too where it
-// runs deepgemm's kernels (Hopper, H and I multiples of 128); everything else is refused by name.
+// On CUDA, the portable backends (eager, batched_mm, grouped_mm) run FP8 and FP4, deepgemm runs FP8;
+// everything else is refused by name.
 TEST(QuantizedRefusals, BackendsWithoutCudaKernelsRefuseQuantisedProblemsOnCudaByName) {
   for (auto [format, label] : {std::pair{WeightFormat::fp8_e4m3, "FP8"}, std::pair{WeightFormat::fp4_e2m1, "FP4"}}) {
     const ExpertsProblem p = labelled_cuda(make_random_problem(quantized_options(format, DType::ue8m0)));
@@ -185,9 +184,8 @@ TEST(QuantizedRefusals, BackendsWithoutCudaKernelsRefuseQuantisedProblemsOnCudaB
       SCOPED_TRACE(name);
       const Support s = ExpertsInterface::global().get(name).supports(p);
       const std::string refusal = std::string(label) + " experts on CUDA are not implemented yet in " + name;
-      const bool reads_fp8 = name == "batched_mm" || name == "deepgemm" ||
-                             (name == "grouped_mm" && backends::hopper_kernels_take_fp8(p));
-      if (reads_fp8 && format == WeightFormat::fp8_e4m3) {
+      const bool portable = name == "eager" || name == "batched_mm" || name == "grouped_mm";
+      if (portable || (name == "deepgemm" && format == WeightFormat::fp8_e4m3)) {
         // Accepted as far as quantisation goes; the device check that follows decides on this machine.
         EXPECT_EQ(s.reason.find(refusal), std::string::npos) << s.reason;
         continue;

@@ -42,8 +42,6 @@ class BatchedMm final : public PortableBackend {
   }
 
  protected:
-  bool cuda_reads_fp8(const ExpertsProblem&) const override { return true; }
-
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     const ExpertsShape s = validate(p);
     const int64_t n = p.config.has_gate ? 2 * s.intermediate : s.intermediate;

@@ -14,7 +14,6 @@
 
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
-#include "moekit/backends/hopper_backend.h"
 #include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
 #include "moekit/cpu/gemv.h"
@@ -123,8 +122,6 @@ class GroupedMm final : public PortableBackend {
   }
 
  protected:
-  // On Hopper grouped_mm runs deepgemm's kernels, FP8 included (H and I multiples of 128).
-  bool cuda_reads_fp8(const ExpertsProblem& p) const override { return hopper_kernels_take_fp8(p); }
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     // Activations and hidden rows carry kRowRound pad rows for the rounded-up products.
     return cpu::RowBuffers(p, kRowRound).total();

@@ -12,17 +12,6 @@ bool aligned16(const Tensor& t) {
 
 }  // namespace
 
-bool hopper_kernels_take_fp8(const ExpertsProblem& p) {
-  const auto cc = device_compute_capability(p.hidden_states.device());
-  const DType dtype = p.hidden_states.dtype();
-  if (!cc || cc->major != 9 || cc->minor != 0 || (dtype != DType::bf16 && dtype != DType::f16) ||
-      p.config.is_transposed || p.config.quantization.weights != WeightFormat::fp8_e4m3)
-    return false;
-  const ExpertsShape s = validate(p);
-  return s.hidden % 128 == 0 && s.intermediate % 128 == 0 && aligned16(p.hidden_states) &&
-         aligned16(p.gate_up_proj) && aligned16(p.down_proj);
-}
-
 Support hopper_cuda_device_support(Device device, const std::string& who) {
   if (Support s = cuda_device_support(device); !s) return s;
   const auto cc = device_compute_capability(device);

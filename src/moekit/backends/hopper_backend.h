@@ -11,10 +11,6 @@
 
 namespace moekit::backends {
 
-// Whether the Hopper kernels take this FP8 problem: a compute capability 9.0 device, bf16/f16
-// activations, untransposed weights, H and I multiples of 128 (grouped_mm asks this).
-bool hopper_kernels_take_fp8(const ExpertsProblem& p);
-
 // yes for a visible compute capability 9.0 GPU in a CUDA build; otherwise why not, naming `who`.
 Support hopper_cuda_device_support(Device device, const std::string& who);
 

@@ -63,8 +63,8 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
     }
   }
   const QuantizationConfig& q = c.quantization;
-  if (q.weights == WeightFormat::fp8_e4m3) {
-    a.fp8 = true;
+  if (q.quantized()) {
+    a.weights = q.weights;
     a.ue8m0_scales = p.gate_up_proj_scale_inv.dtype() == DType::ue8m0;
     a.up_scale = p.gate_up_proj_scale_inv.data();
     a.down_scale = p.down_proj_scale_inv.data();
@@ -75,8 +75,7 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
 #endif
 
 Support PortableBackend::supports(const ExpertsProblem& p) const {
-  // Quantisation first: the CUDA refusal is a fact of this version of moekit, true on any machine.
-  if (Support s = quantized_cuda_support(p, name(), cuda_reads_fp8(p)); !s) return s;
+  // Quantised weights (FP8, FP4) run on every device; only the dynamic activation scheme does.
   if (Support s = activation_scheme_support(p, name()); !s) return s;
   return supports_device(p.hidden_states.device());
 }

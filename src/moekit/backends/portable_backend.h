@@ -39,8 +39,7 @@ class PortableBackend : public ExpertsBackend {
   Support supports_device(Device device) const override {
     return device.is_cpu() ? Support::yes() : cuda_device_support(device);
   }
-  // The device, then quantisation: CUDA kernels of quantised experts do not exist yet, and only the
-  // dynamic activation scheme runs.
+  // The activation scheme (only the dynamic one runs), then the device.
   Support supports(const ExpertsProblem& p) const override;
   std::size_t workspace_bytes(const ExpertsProblem& p) const override;
   void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override;
@@ -51,9 +50,6 @@ class PortableBackend : public ExpertsBackend {
 #else
   explicit PortableBackend(CudaKernels) {}
 #endif
-  // Whether this backend's CUDA kernels read this problem's FP8 e4m3 weights (batched_mm always,
-  // grouped_mm through the Hopper kernels); otherwise the problem is refused.
-  virtual bool cuda_reads_fp8(const ExpertsProblem&) const { return false; }
   virtual std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const = 0;
   virtual void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) = 0;
 

@@ -12,9 +12,9 @@ namespace moekit::backends {
 // "FP8" or "FP4" for a quantised problem, as the refusals name the format.
 std::string_view quantized_format_label(const ExpertsProblem& p);
 
-// On a CUDA device, quantised problems are refused by name ("FP8 experts on CUDA are not implemented yet
-// in grouped_mm") instead of reading the bytes as bf16, except FP8 by a backend whose CUDA kernels read
-// e4m3 weights (fp8_kernels: batched_mm).
+// On a CUDA device, the Hopper backends refuse quantised problems by name ("FP4 experts on CUDA are not
+// implemented yet in deepgemm") instead of reading the bytes as bf16, except FP8 where their kernels read
+// e4m3 weights (fp8_kernels: deepgemm). The portable backends run both formats everywhere.
 Support quantized_cuda_support(const ExpertsProblem& p, std::string_view backend, bool fp8_kernels = false);
 
 // Backends that run quantised experts quantise activations on the fly (the dynamic scheme); a static

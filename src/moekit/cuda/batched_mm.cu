@@ -13,7 +13,7 @@
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/device_math.cuh"
-#include "moekit/cuda/fp8_math.cuh"
+#include "moekit/cuda/quantized_weights.cuh"
 #include "moekit/cuda/tensor_map.h"
 
 namespace moekit::cuda {
@@ -375,33 +375,11 @@ __global__ void __launch_bounds__(256) down_cols_kernel(const ExpertsArgs a, con
 
 
 // ---------------------------------------------------------------------------------------------------
-// FP8 e4m3 weights with 128 x 128 block scales (DESIGN §3). The activations are quantised first, per
-// row and 128-wide group, into a float buffer of the values the products use (q * scale), bit for bit
-// as quantize_activations on the CPU; then the same two products as above read the e4m3 bytes 16 at a
-// time, convert them in registers and apply each 128-wide K block's scale to that block's partial sum.
-
-// dst [rows, n] = quantised values of src [rows, n]. One block of 4 warps per row, one warp per group.
-template <typename S>
-__global__ void __launch_bounds__(128) quantize_rows_kernel(const S* src, int64_t n, bool power_of_two,
-                                                            float* dst) {  // may alias src
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const S* row = src + blockIdx.x * n;
-  float* out = dst + blockIdx.x * n;
-  for (int64_t g0 = static_cast<int64_t>(warp) * 128; g0 < n; g0 += 4 * 128) {
-    float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t j = g0 + lane + 32 * i;
-      v[i] = j < n ? to_f(row[j]) : 0.0f;
-    }
-    const float scale = quantize_group_lanes(v, power_of_two);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t j = g0 + lane + 32 * i;
-      if (j < n) out[j] = __fmul_rn(v[i], scale);
-    }
-  }
-}
+// Block-quantised weights (DESIGN §3): FP8 e4m3 with 128 x 128 block scales, FP4 e2m1 pairs with a ue8m0
+// scale per 32 values. The activations are quantised first, per row and 128-wide group, into a float
+// buffer of the values the products use (q * scale), bit for bit as quantize_activations on the CPU; then
+// the same two products as above read the weight bytes 16 at a time, convert them in registers and apply
+// each scale block's scale to that block's partial sum (a 16-byte load never straddles two blocks).
 
 // sum_i e4m3(raw[i]) * x[i] over the 16 codes of raw, converting two at a time (the loads of all rows are
 // issued before any conversion, so many bytes are in flight per warp).
@@ -420,73 +398,90 @@ __device__ __forceinline__ float dot_e4m3x16(const uint4 raw, const float* x) {
   return partial;
 }
 
-__device__ __forceinline__ float e4m3_to_f(uint8_t code) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(code, __NV_E4M3)));
+// sum_i code_i * x[i] over the codes of one 16-byte load (16 e4m3 or 32 e2m1 values), before the scale.
+template <WeightFormat F>
+__device__ __forceinline__ float dot_codes(const uint4 raw, const float* x) {
+  if constexpr (F == WeightFormat::fp8_e4m3) {
+    return dot_e4m3x16(raw, x);
+  } else {
+    uint32_t w[4];
+    words_of(raw, w);
+    float partial = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kValuesPer16Bytes<F>; ++i) partial = fmaf(code_in<F>(w, i), x[i], partial);
+    return partial;
+  }
 }
 
-// FP8 rows are half as long as bf16 ones: each warp takes twice the columns to keep as many bytes in
-// flight.
-constexpr int kFp8ColsPerWarp = 8;
-constexpr int kFp8ColsPerBlock = kWarps * kFp8ColsPerWarp;
+// Intermediate columns per warp of the quantised up kernel. FP8 rows are half as long as bf16 ones: twice
+// the columns keep as many bytes in flight. An FP4 load holds 32 values, so a lane keeps twice the
+// activations live per load; 4 columns (bf16's bytes in flight per lane) stay within the registers.
+template <WeightFormat F>
+constexpr int kQuantizedColsPerWarp = F == WeightFormat::fp8_e4m3 ? 8 : 4;
 
 // up: xq [T, H] (quantised) @ up_e [N, H]^T per pair -> hidden [P, I] (float), activation applied.
-// grid (P, ceil(I / 32)), block 128, dynamic shared memory H floats.
-template <typename T, bool kVectorised>
-__global__ void __launch_bounds__(kWarps * 32) up_rows_fp8_kernel(const ExpertsArgs a, const float* __restrict__ xq,
-                                                                  float* __restrict__ hidden) {
+// grid (P, ceil(I / (4 * kQuantizedColsPerWarp<F>))), block 128, dynamic shared memory H floats.
+template <typename T, WeightFormat F, bool kVectorised>
+__global__ void __launch_bounds__(kWarps * 32)
+    up_rows_quantized_kernel(const ExpertsArgs a, const float* __restrict__ xq, float* __restrict__ hidden) {
+  using Q = QuantizedFormat<F>;
   extern __shared__ float x_shared[];
   const int64_t pair = blockIdx.x, t = pair / a.top_k;
   const int64_t e = load_id(a, pair);
   if (e < 0 || e >= a.experts) return;
   const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
-  const int64_t kb = (H + 127) / 128, nb = (N + 127) / 128;
+  const int64_t row_bytes = H / Q::kValuesPerByte;
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x) x_shared[h] = xq[t * H + h];
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kFp8ColsPerWarp;
-  const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * H;
-  constexpr int kRows = 2 * kFp8ColsPerWarp;
+  constexpr int kCols = kQuantizedColsPerWarp<F>, kRows = 2 * kCols;
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kCols;
+  const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * row_bytes;
   const uint8_t* rows[kRows];
   int64_t scale_row[kRows];
   float acc[kRows];
 #pragma unroll
-  for (int r = 0; r < kFp8ColsPerWarp; ++r) {
+  for (int r = 0; r < kCols; ++r) {
     const int64_t j = min(j0 + r, I - 1);
     const int64_t gr = a.has_gate ? gate_col(a, j) : j, ur = a.has_gate ? up_col(a, j) : j;
-    rows[2 * r] = w + gr * H;
-    rows[2 * r + 1] = w + ur * H;
-    scale_row[2 * r] = (e * nb + gr / 128) * kb;
-    scale_row[2 * r + 1] = (e * nb + ur / 128) * kb;
+    rows[2 * r] = w + gr * row_bytes;
+    rows[2 * r + 1] = w + ur * row_bytes;
+    scale_row[2 * r] = Q::scale_row(e, gr, N, H);
+    scale_row[2 * r + 1] = Q::scale_row(e, ur, N, H);
     acc[2 * r] = acc[2 * r + 1] = 0.0f;
   }
   if constexpr (kVectorised) {
-    for (int64_t h = lane * 16; h < H; h += 32 * 16) {
+    constexpr int V = kValuesPer16Bytes<F>;
+    for (int64_t h = lane * V; h < H; h += 32 * V) {
       uint4 raw[kRows];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) raw[r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + h));
+      for (int r = 0; r < kRows; ++r) raw[r] = __ldcs(reinterpret_cast<const uint4*>(rows[r] + h / Q::kValuesPerByte));
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        acc[r] = fmaf(block_scale_at(a, a.up_scale, scale_row[r] + h / 128), dot_e4m3x16(raw[r], x_shared + h), acc[r]);
+        acc[r] = fmaf(block_scale_at(a, a.up_scale, scale_row[r] + h / Q::kBlockK), dot_codes<F>(raw[r], x_shared + h),
+                      acc[r]);
     }
   } else {
     for (int64_t h = lane; h < H; h += 32) {
       const float xi = x_shared[h];
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        acc[r] = fmaf(e4m3_to_f(rows[r][h]) * block_scale_at(a, a.up_scale, scale_row[r] + h / 128), xi, acc[r]);
+        acc[r] = fmaf(Q::code(rows[r], h) * block_scale_at(a, a.up_scale, scale_row[r] + h / Q::kBlockK), xi, acc[r]);
     }
   }
-  store_up_columns<T, kFp8ColsPerWarp>(a, e, pair, j0, lane, acc, hidden);
+  store_up_columns<T, kCols>(a, e, pair, j0, lane, acc, hidden);
 }
 
 // down: out[t, h] = sum_k w[t, k] * (down_e[h] . hq[t * K + k] + b2[e, h]), k in order; hq quantised.
 // Each warp takes kDownRows hidden columns and kPairsAtOnce pairs at a time (their loads issued together),
 // adding the pairs to the output in order k = 0..K-1. grid (T, ceil(H / 8)), block 128.
-template <typename T, bool kVectorised>
-__global__ void __launch_bounds__(kWarps * 32) down_rows_fp8_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
+template <typename T, WeightFormat F, bool kVectorised>
+__global__ void __launch_bounds__(kWarps * 32)
+    down_rows_quantized_kernel(const ExpertsArgs a, const float* __restrict__ hidden) {
+  using Q = QuantizedFormat<F>;
   const int64_t t = blockIdx.x, H = a.hidden, I = a.intermediate;
-  const int64_t kb = (I + 127) / 128, hb = (H + 127) / 128;
+  const int64_t row_bytes = I / Q::kValuesPerByte;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t h0 = (static_cast<int64_t>(blockIdx.y) * kWarps + warp) * kDownRows;
   float out_acc[kDownRows] = {};
@@ -506,37 +501,38 @@ __global__ void __launch_bounds__(kWarps * 32) down_rows_fp8_kernel(const Expert
       if (e < 0 || e >= a.experts) e = -1;
       expert[q] = e;
       const int64_t ee = e < 0 ? 0 : e;
-      const uint8_t* w = static_cast<const uint8_t*>(a.down) + ee * H * I;
+      const uint8_t* w = static_cast<const uint8_t*>(a.down) + ee * H * row_bytes;
       hid[q] = hidden + (e < 0 ? t * a.top_k : pair) * I;
 #pragma unroll
       for (int r = 0; r < kDownRows; ++r) {
         const int64_t h = min(h0 + r, H - 1);
-        rows[q][r] = w + h * I;
-        scale_row[q][r] = (ee * hb + h / 128) * kb;
+        rows[q][r] = w + h * row_bytes;
+        scale_row[q][r] = Q::scale_row(ee, h, H, I);
         acc[q][r] = 0.0f;
       }
     }
     if constexpr (kVectorised) {
-      for (int64_t i = lane * 16; i < I; i += 32 * 16) {
+      constexpr int V = kValuesPer16Bytes<F>;
+      for (int64_t i = lane * V; i < I; i += 32 * V) {
         uint4 raw[kPairsAtOnce][kDownRows];
 #pragma unroll
         for (int q = 0; q < kPairsAtOnce; ++q)
 #pragma unroll
           for (int r = 0; r < kDownRows; ++r)
-            if (expert[q] >= 0) raw[q][r] = __ldcs(reinterpret_cast<const uint4*>(rows[q][r] + i));
+            if (expert[q] >= 0) raw[q][r] = __ldcs(reinterpret_cast<const uint4*>(rows[q][r] + i / Q::kValuesPerByte));
 #pragma unroll
         for (int q = 0; q < kPairsAtOnce; ++q) {
           if (expert[q] < 0) continue;
-          float hv[16];
+          float hv[V];
 #pragma unroll
-          for (int v = 0; v < 16; v += 4) {
+          for (int v = 0; v < V; v += 4) {
             const float4 f = *reinterpret_cast<const float4*>(hid[q] + i + v);
             hv[v] = f.x, hv[v + 1] = f.y, hv[v + 2] = f.z, hv[v + 3] = f.w;
           }
 #pragma unroll
           for (int r = 0; r < kDownRows; ++r)
-            acc[q][r] = fmaf(block_scale_at(a, a.down_scale, scale_row[q][r] + i / 128), dot_e4m3x16(raw[q][r], hv),
-                             acc[q][r]);
+            acc[q][r] = fmaf(block_scale_at(a, a.down_scale, scale_row[q][r] + i / Q::kBlockK),
+                             dot_codes<F>(raw[q][r], hv), acc[q][r]);
         }
       }
     } else {
@@ -546,7 +542,7 @@ __global__ void __launch_bounds__(kWarps * 32) down_rows_fp8_kernel(const Expert
           if (expert[q] < 0) continue;
 #pragma unroll
           for (int r = 0; r < kDownRows; ++r)
-            acc[q][r] = fmaf(e4m3_to_f(rows[q][r][i]) * block_scale_at(a, a.down_scale, scale_row[q][r] + i / 128),
+            acc[q][r] = fmaf(Q::code(rows[q][r], i) * block_scale_at(a, a.down_scale, scale_row[q][r] + i / Q::kBlockK),
                              hid[q][i], acc[q][r]);
         }
     }
@@ -560,29 +556,33 @@ bool aligned16(const void* p) {
 }
 
 // hidden: [P, I] floats, then xq: [T, H] floats (the workspace of batched_mm_workspace_bytes).
-template <typename T>
-void launch_fp8(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
+template <typename T, WeightFormat F>
+void launch_quantized_format(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   const int64_t P = a.tokens * a.top_k;
-  if (P == 0) return;
-  MOEKIT_CHECK(!a.transposed, "batched_mm: FP8 weights must not be transposed (validated earlier)");
+  MOEKIT_CHECK(!a.transposed, "batched_mm: quantised weights must not be transposed (validated earlier)");
   float* xq = hidden + P * a.intermediate;
   const std::size_t x_bytes = static_cast<std::size_t>(a.hidden) * sizeof(float);
+  QuantizedRows x_values, hidden_values;
+  x_values.values = xq;
+  hidden_values.values = hidden;
   quantize_rows_kernel<T><<<static_cast<unsigned>(a.tokens), 128, 0, stream>>>(static_cast<const T*>(a.x), a.hidden,
-                                                                                a.ue8m0_scales, xq);
+                                                                               a.ue8m0_scales, x_values);
   MOEKIT_CUDA_CHECK_LAUNCH();
-  const bool vec_up = a.hidden % 16 == 0 && aligned16(a.up);
-  const bool vec_down = a.intermediate % 16 == 0 && aligned16(a.down) && aligned16(hidden);
-  auto* up_kernel = vec_up ? up_rows_fp8_kernel<T, true> : up_rows_fp8_kernel<T, false>;
+  // 16-byte loads of whole rows: rows of a multiple of 16 bytes, 16-byte aligned.
+  constexpr int V = kValuesPer16Bytes<F>;
+  const bool vec_up = a.hidden % V == 0 && aligned16(a.up);
+  const bool vec_down = a.intermediate % V == 0 && aligned16(a.down) && aligned16(hidden);
+  auto* up_kernel = vec_up ? up_rows_quantized_kernel<T, F, true> : up_rows_quantized_kernel<T, F, false>;
   MOEKIT_CUDA_CHECK(
       cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
-  up_kernel<<<dim3(static_cast<unsigned>(P),
-                   static_cast<unsigned>((a.intermediate + kFp8ColsPerBlock - 1) / kFp8ColsPerBlock)),
+  constexpr int kUpPerBlock = kWarps * kQuantizedColsPerWarp<F>;
+  up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + kUpPerBlock - 1) / kUpPerBlock)),
               kWarps * 32, x_bytes, stream>>>(a, xq, hidden);
   MOEKIT_CUDA_CHECK_LAUNCH();
-  quantize_rows_kernel<float><<<static_cast<unsigned>(P), 128, 0, stream>>>(hidden, a.intermediate, a.ue8m0_scales,
-                                                                            hidden);
+  quantize_rows_kernel<float>
+      <<<static_cast<unsigned>(P), 128, 0, stream>>>(hidden, a.intermediate, a.ue8m0_scales, hidden_values);
   MOEKIT_CUDA_CHECK_LAUNCH();
-  auto* down_kernel = vec_down ? down_rows_fp8_kernel<T, true> : down_rows_fp8_kernel<T, false>;
+  auto* down_kernel = vec_down ? down_rows_quantized_kernel<T, F, true> : down_rows_quantized_kernel<T, F, false>;
   constexpr int kDownPerBlock = kWarps * kDownRows;
   down_kernel<<<dim3(static_cast<unsigned>(a.tokens),
                      static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
@@ -591,6 +591,13 @@ void launch_fp8(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
 }
 
 template <typename T>
+void launch_quantized(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
+  if (a.fp4())
+    launch_quantized_format<T, WeightFormat::fp4_e2m1>(a, hidden, stream);
+  else
+    launch_quantized_format<T, WeightFormat::fp8_e4m3>(a, hidden, stream);
+}
+template <typename T>
 void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   const int64_t P = a.tokens * a.top_k;
   const std::size_t x_bytes = static_cast<std::size_t>(a.hidden) * sizeof(float);
@@ -598,7 +605,7 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
                " is too large");
   MOEKIT_CHECK(P <= 0x7fffffff && a.tokens <= 0x7fffffff, "batched_mm: too many pairs for one launch");
   if (P == 0) return;
-  if (a.fp8) return launch_fp8<T>(a, hidden, stream);
+  if (a.quantized()) return launch_quantized<T>(a, hidden, stream);
   if (a.transposed) {
     auto* up_kernel = up_cols_kernel<T>;
     MOEKIT_CUDA_CHECK(
@@ -656,7 +663,7 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
 }  // namespace
 
 std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a) {
-  const int64_t quantised_x = a.fp8 ? a.tokens * a.hidden : 0;
+  const int64_t quantised_x = a.quantized() ? a.tokens * a.hidden : 0;
   return static_cast<std::size_t>(a.tokens * a.top_k * a.intermediate + quantised_x) * sizeof(float);
 }
 

@@ -18,12 +18,15 @@ void eager_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   MOEKIT_CUDA_CHECK(
       cudaMemcpyAsync(offsets.data(), g.r.offsets, offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   MOEKIT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  quantize_grouped_x(g, stream);
   for (int64_t e = 0; e < a.experts; ++e) {
-    const int64_t rows = offsets[static_cast<std::size_t>(e + 1)] - offsets[static_cast<std::size_t>(e)];
+    const int64_t first = offsets[static_cast<std::size_t>(e)];
+    const int64_t rows = offsets[static_cast<std::size_t>(e + 1)] - first;
     if (rows == 0) continue;
     g.only_expert = static_cast<int>(e);
     const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
     launch_grouped_projection(g, Projection::up, tiles, stream);
+    quantize_grouped_hidden(g, first, rows, nullptr, stream);
     launch_grouped_projection(g, Projection::down, tiles, stream);
   }
   g.only_expert = -1;

@@ -7,8 +7,16 @@
 #include <cstdint>
 
 #include "moekit/dtype.h"
+#include "moekit/quantization.h"
 
 typedef struct CUstream_st* cudaStream_t;
+
+// Member functions of the argument structs run on both sides.
+#if defined(__CUDACC__)
+#define MOEKIT_HOST_DEVICE __host__ __device__
+#else
+#define MOEKIT_HOST_DEVICE
+#endif
 
 namespace moekit::cuda {
 
@@ -30,14 +38,20 @@ struct ExpertsArgs {
   bool has_gate = true, transposed = false, concatenated = true;
   Act act = Act::silu;
   float swiglu_limit = 0, swiglu_alpha = 0;
-  // FP8 e4m3 weights (batched_mm only): up and down hold the e4m3 bytes, up_scale [E, ceil(N/128),
-  // ceil(H/128)] and down_scale [E, ceil(H/128), ceil(I/128)] their block scales (f32, or ue8m0 bytes);
-  // activations are quantised per row and 128-wide group as quantize_activations (quantization.h) does.
-  bool fp8 = false;
-  bool ue8m0_scales = false;
+  // Block-quantised weights (DESIGN §3), untransposed. FP8: up and down hold e4m3 bytes [E, N, H] and
+  // [E, H, I], up_scale [E, ceil(N/128), ceil(H/128)] and down_scale [E, ceil(H/128), ceil(I/128)] their
+  // block scales (f32, or ue8m0 bytes). FP4: e2m1 pairs [E, N, H/2] and [E, H, I/2] (element 2j in the low
+  // nibble), ue8m0 scales [E, N, ceil(H/32)] and [E, H, ceil(I/32)]. Activations are quantised per row and 128-wide
+  // group as quantize_activations (quantization.h) does.
+  WeightFormat weights = WeightFormat::none;
+  bool ue8m0_scales = false;  // FP4: always
   const void* up_scale = nullptr;
   const void* down_scale = nullptr;
   void* out = nullptr;  // [T, H]
+
+  MOEKIT_HOST_DEVICE bool fp8() const { return weights == WeightFormat::fp8_e4m3; }
+  MOEKIT_HOST_DEVICE bool fp4() const { return weights == WeightFormat::fp4_e2m1; }
+  MOEKIT_HOST_DEVICE bool quantized() const { return weights != WeightFormat::none; }
 };
 
 std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a);
@@ -55,7 +69,8 @@ void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 // sonicmoe: the same kernels with the token gather in the first GEMM and the routing weight in the second.
 std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a);
 void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
-// Whether the Hopper kernels run this problem on the current device (grouped_mm uses them there).
+// Whether the Hopper kernels run this problem on the current device (grouped_mm uses them there): bf16/f16,
+// untransposed, H and I multiples of 8 (FP8: of 128), never FP4.
 bool hopper_gemm_runs(const ExpertsArgs& a);
 
 }  // namespace moekit::cuda

@@ -1,5 +1,6 @@
-// Device-side FP8 arithmetic shared by the FP8 kernels: the e4m3 rounding and the activation scale of
-// quantize_activations (quantization.h), bit for bit, and the weights' block scales.
+// Device-side FP8 arithmetic shared by the kernels of quantised experts: the e4m3 rounding and the
+// activation scale of quantize_activations (quantization.h), bit for bit, the row quantiser built on
+// them, and the weights' block scales.
 #pragma once
 
 #include <cfloat>
@@ -45,6 +46,48 @@ __device__ __forceinline__ float quantize_group_lanes(float (&v)[4], bool power_
 #pragma unroll
   for (int i = 0; i < 4; ++i) v[i] = e4m3_value(__fdiv_rn(v[i], scale));
   return scale;
+}
+
+// Where quantize_rows_kernel writes each row's quantised activations: the values the products use
+// (q * scale, in float; may alias the source), or the e4m3 codes q as bf16 (exact: e4m3 has 3 mantissa
+// bits) with their scales apart, for tensor-core operands. Codes rows hold whole groups (ceil(n/128) * 128
+// values, zeros past n) so that 16-byte loads along a row never leave it.
+struct QuantizedRows {
+  float* values = nullptr;             // [rows, n]
+  bf16* codes = nullptr;               // [rows, groups * 128], with values null
+  float* scales = nullptr;             // [rows, groups]
+  const int32_t* row_count = nullptr;  // device count of the rows in use (rows past it are skipped), or null
+};
+
+// dst rows = src [rows, n] quantised per row and 128-wide group. One block of 4 warps per row, one warp
+// per group.
+template <typename S>
+__global__ void __launch_bounds__(128)
+    quantize_rows_kernel(const S* src, int64_t n, bool power_of_two, QuantizedRows dst) {
+  if (dst.row_count && static_cast<int64_t>(blockIdx.x) >= *dst.row_count) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t groups = (n + 127) / 128;
+  const S* row = src + blockIdx.x * n;
+  for (int64_t g0 = static_cast<int64_t>(warp) * 128; g0 < n; g0 += 4 * 128) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int64_t j = g0 + lane + 32 * i;
+      v[i] = j < n ? to_f(row[j]) : 0.0f;
+    }
+    const float scale = quantize_group_lanes(v, power_of_two);
+    if (dst.values) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t j = g0 + lane + 32 * i;
+        if (j < n) dst.values[blockIdx.x * n + j] = __fmul_rn(v[i], scale);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst.codes[blockIdx.x * groups * 128 + g0 + lane + 32 * i] = from_f<bf16>(v[i]);
+      if (lane == 0) dst.scales[blockIdx.x * groups + g0 / 128] = scale;
+    }
+  }
 }
 
 __device__ __forceinline__ float block_scale_at(const ExpertsArgs& a, const void* scales, int64_t index) {

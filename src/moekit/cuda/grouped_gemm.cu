@@ -2,7 +2,11 @@
 // row gather fused into the operand load) for the weight layout [E, N, K] with K a multiple of 8,
 // and a CUDA-core kernel for everything else (f32, which must stay exact; transposed weights; odd
 // sizes). Both share the routing's tile schedule and the epilogues of grouped_gemm.cuh.
+// Quantised weights (FP8, FP4) have a tensor-core kernel of their own for rows of a multiple of 16
+// bytes (the CUDA-core kernel takes the rest): bf16 operands, exact for e4m3 activation codes and for
+// the weight codes, and the scales applied in float per 128-deep block of K (see mma_quantized_kernel).
 #include <algorithm>
+#include <type_traits>
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/grouped_gemm.cuh"
@@ -13,8 +17,21 @@ namespace {
 // ---- CUDA-core kernel: 64 x 64 tiles, 16-deep k steps, 256 threads of 4 x 4 outputs. ----
 constexpr int kSimtCols = 64, kSimtDepth = 16;
 
-template <typename T, Projection P>
+// Element k of a left row: the value itself, or a quantised row's code times its group's scale.
+template <typename T>
+__device__ __forceinline__ float left_at(const T* row, int64_t k) {
+  return to_f(row[k]);
+}
+__device__ __forceinline__ float left_at(const CodesRow& row, int64_t k) {
+  return to_f(row.codes[k]) * row.scales[k / 128];
+}
+
+// F: the weights' format (WeightFormat::none: T like the activations, in either layout).
+template <typename T, Projection P, WeightFormat F>
 __global__ void __launch_bounds__(256) simt_kernel(const GroupedProblem g) {
+  constexpr bool kQuantized = F != WeightFormat::none;
+  using LeftRow = std::conditional_t<kQuantized, CodesRow, const T*>;
+  using Q = QuantizedFormat<kQuantized ? F : WeightFormat::fp8_e4m3>;  // used only when quantised
   __shared__ float a_tile[kSimtDepth][kTileRows + 4];
   __shared__ float b_tile[kSimtDepth][kSimtCols + 4];
   __shared__ float c_tile[kTileRows][kSimtCols + 1];
@@ -22,17 +39,27 @@ __global__ void __launch_bounds__(256) simt_kernel(const GroupedProblem g) {
   if (!find_tile(g, expert, row_begin, row_end, kTileRows)) return;
   const ExpertsArgs& a = g.a;
   const int64_t K = ProjectionShape<P>::reduction(a), N = ProjectionShape<P>::outputs(a);
-  const T* w = static_cast<const T*>(P == Projection::up ? a.up : a.down) + expert * N * K;
+  const void* weights = P == Projection::up ? a.up : a.down;
+  const void* scales = P == Projection::up ? a.up_scale : a.down_scale;
+  const T* w = static_cast<const T*>(weights) + expert * N * K;
+  const int64_t row_bytes = K / Q::kValuesPerByte;  // quantised rows
   const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
   // Per thread: the 4 left rows and 4 weight rows it loads (fixed over k).
-  const T* a_rows[4];
-  int64_t w_rows[4];
+  LeftRow a_rows[4] = {};
+  bool a_present[4];
+  int64_t w_rows[4], w_scale_rows[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int i = tid + q * 256;  // element of the 64 x 16 tile, k fastest
     const int64_t row = row_begin + i / kSimtDepth;
-    a_rows[q] = row < row_end ? left_row<T, P>(g, row) : nullptr;
+    a_present[q] = row < row_end;
+    if constexpr (kQuantized) {
+      if (a_present[q]) a_rows[q] = quantized_left_row<P>(g, row);
+    } else {
+      if (a_present[q]) a_rows[q] = left_row<T, P>(g, row);
+    }
     w_rows[q] = tile_output<P>(a, block_col(g), i / kSimtDepth, kSimtCols);
+    if constexpr (kQuantized) w_scale_rows[q] = Q::scale_row(expert, w_rows[q] < 0 ? 0 : w_rows[q], N, K);
   }
   float acc[4][4] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kSimtDepth) {
@@ -40,9 +67,16 @@ __global__ void __launch_bounds__(256) simt_kernel(const GroupedProblem g) {
     for (int q = 0; q < 4; ++q) {
       const int i = tid + q * 256, r = i / kSimtDepth, kk = i % kSimtDepth;
       const int64_t k = k0 + kk;
-      a_tile[kk][r] = (a_rows[q] && k < K) ? to_f(a_rows[q][k]) : 0.0f;
+      a_tile[kk][r] = (a_present[q] && k < K) ? left_at(a_rows[q], k) : 0.0f;
       float wv = 0.0f;
-      if (w_rows[q] >= 0 && k < K) wv = to_f(a.transposed ? w[k * N + w_rows[q]] : w[w_rows[q] * K + k]);
+      if (w_rows[q] >= 0 && k < K) {
+        if constexpr (kQuantized) {
+          const uint8_t* row = static_cast<const uint8_t*>(weights) + (expert * N + w_rows[q]) * row_bytes;
+          wv = Q::code(row, k) * block_scale_at(a, scales, w_scale_rows[q] + k / Q::kBlockK);
+        } else {
+          wv = to_f(a.transposed ? w[k * N + w_rows[q]] : w[w_rows[q] * K + k]);
+        }
+      }
       b_tile[kk][r] = wv;
     }
     __syncthreads();
@@ -113,6 +147,84 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   }
 }
 
+// One kMmaDepth-deep step of a warp's 32 x 64 piece of the tile (rows 32 * warp_m, columns 64 * warp_n):
+// a [kTileRows][kPitch] and b [kMmaCols][kPitch] in shared memory, k contiguous.
+template <typename O>
+__device__ __forceinline__ void warp_tile_step(float (&acc)[2][8][4], const O* sa, const O* sb, int warp_m, int warp_n,
+                                               int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kMmaDepth; kk += 16) {
+    uint32_t af[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+      ldmatrix_x4(af[mt], sa + (warp_m * 32 + mt * 16 + lane % 16) * kPitch + kk + (lane / 16) * 8);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {  // pairs of 8-column tiles
+      uint32_t bf[4];
+      ldmatrix_x4(bf, sb + (warp_n * 64 + np * 16 + lane % 8 + (lane / 16) * 8) * kPitch + kk + ((lane / 8) % 2) * 8);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        mma16816<O>(acc[mt][2 * np], af[mt], bf[0], bf[1]);
+        mma16816<O>(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+// Tile row and column of accumulator element i of acc[mt][nt] (the m16n8 C fragment layout).
+__device__ __forceinline__ int fragment_row(int warp_m, int mt, int lane, int i) {
+  return warp_m * 32 + mt * 16 + lane / 4 + (i / 2) * 8;
+}
+__device__ __forceinline__ int fragment_col(int warp_n, int nt, int lane, int i) {
+  return warp_n * 64 + nt * 8 + (lane % 4) * 2 + i % 2;
+}
+
+// The accumulators into c [kTileRows][kCPitch] (shared memory) for the shared epilogue.
+__device__ __forceinline__ void store_accumulators(float* c, const float (&acc)[2][8][4], int warp_m, int warp_n,
+                                                   int lane) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        c[fragment_row(warp_m, mt, lane, i) * kCPitch + fragment_col(warp_n, nt, lane, i)] = acc[mt][nt][i];
+}
+
+// The k loop of both tensor-core kernels: a kStages-deep cp.async pipeline. load_stage(step, stage) issues
+// the copies of one step; compute(step, stage) runs once stage `stage` holds step `step` and every thread
+// has finished with the step before. Returns with all copies complete and the block synchronised.
+template <typename Load, typename Compute>
+__device__ __forceinline__ void pipelined_steps(int64_t k_steps, Load&& load_stage, Compute&& compute) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_steps) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int64_t step = 0; step < k_steps; ++step) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    const int64_t next = step + kStages - 1;
+    if (next < k_steps) load_stage(next, static_cast<int>(next % kStages));
+    cp_async_commit();
+    compute(step, static_cast<int>(step % kStages));
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+// After the k loop: the accumulators to shared memory (over the pipeline buffers), then the shared
+// epilogue.
+template <typename T, Projection P>
+__device__ __forceinline__ void write_tile(const GroupedProblem& g, unsigned char* smem, const float (&acc)[2][8][4],
+                                           int warp_m, int warp_n, int lane, int64_t expert, int64_t row_begin,
+                                           int64_t row_end) {
+  float* c = reinterpret_cast<float*>(smem);
+  store_accumulators(c, acc, warp_m, warp_n, lane);
+  __syncthreads();
+  store_tile<T, P, kTileRows, kMmaCols>(g, c, kCPitch, expert, row_begin, row_end, block_col(g));
+}
+
 template <typename T, Projection P>
 __global__ void __launch_bounds__(kMmaThreads) mma_kernel(const GroupedProblem g) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -162,53 +274,154 @@ __global__ void __launch_bounds__(kMmaThreads) mma_kernel(const GroupedProblem g
 
   const int warp_m = warp / 4, warp_n = warp % 4;  // warp tile: rows 32*warp_m, cols 64*warp_n
   float acc[2][8][4] = {};
+  pipelined_steps(k_steps, load_stage, [&](int64_t, int stage) {
+    const T* sa = smem + stage * kStageElems;
+    warp_tile_step<T>(acc, sa, sa + kTileRows * kPitch, warp_m, warp_n, lane);
+  });
+  write_tile<T, P>(g, smem_raw, acc, warp_m, warp_n, lane, expert, row_begin, row_end);
+}
+
+// ---- Tensor-core kernel of quantised weights: the tiles, warps and pipeline above, bf16 operands. ----
+// Per stage: the left rows' e4m3 codes (exact in bf16) and the raw weight bytes of the tile's 256 rows
+// (32 FP8 codes or 32 FP4 codes a row). Each step, thread i converts weight row i of the stage into a
+// shared bf16 tile: e4m3 codes as they are (their block scale is not exact in bf16), e2m1 codes times
+// their ue8m0 scale (a power of two: exact, and per 32 values, one step). The products of each 128-deep
+// block of K (one activation group, one FP8 scale block) accumulate apart and are added in float times
+// the row's activation scale (and, FP8, the column's block scale): no scale is ever rounded to bf16.
+// Bytes of a raw weight row in a stage (FP8: 32 codes + 16 bytes against bank conflicts; FP4: 32 codes),
+// of a stage (left codes, then raw weight rows) and of the kernel's shared memory (the stages, the
+// converted weights, the row and column scales; the epilogue's tile over them).
+constexpr int raw_pitch(WeightFormat f) {
+  return f == WeightFormat::fp8_e4m3 ? 48 : 16;
+}
+constexpr int quantized_stage_bytes(WeightFormat f) {
+  return kTileRows * kPitch * 2 + kMmaCols * raw_pitch(f);
+}
+constexpr std::size_t quantized_smem_bytes(WeightFormat f) {
+  return std::max<std::size_t>(kStages * quantized_stage_bytes(f) + kMmaCols * kPitch * 2 + (kTileRows + kMmaCols) * 4,
+                               static_cast<std::size_t>(kTileRows) * kCPitch * 4);
+}
+constexpr int kStepsPerGroup = 128 / kMmaDepth;  // steps of one 128-deep block of K
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // exact here: the values have few significant bits
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// raw (raw_pitch(F) bytes) of one weight row at one step -> dst [32] bf16 (scale: the row's FP4 scale of the step).
+template <WeightFormat F>
+__device__ __forceinline__ void convert_weight_row(const uint8_t* raw, float scale, bf16* dst) {
+  uint32_t out[16];
+  if constexpr (F == WeightFormat::fp8_e4m3) {
+    const uint4 r0 = *reinterpret_cast<const uint4*>(raw), r1 = *reinterpret_cast<const uint4*>(raw + 16);
+    const uint32_t w[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_steps) load_stage(s, s);
-    cp_async_commit();
+    for (int i = 0; i < 16; ++i)
+      out[i] = pack_bf16x2(e4m3_code_to_f(w[i / 2] >> (16 * (i % 2))), e4m3_code_to_f(w[i / 2] >> (16 * (i % 2) + 8)));
+  } else {
+    uint32_t w[4];
+    words_of(*reinterpret_cast<const uint4*>(raw), w);
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      out[i] = pack_bf16x2(e2m1_code_to_f(w[i / 4] >> (8 * (i % 4))) * scale,
+                           e2m1_code_to_f(w[i / 4] >> (8 * (i % 4) + 4)) * scale);
   }
-  for (int64_t step = 0; step < k_steps; ++step) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    const int64_t next = step + kStages - 1;
-    if (next < k_steps) load_stage(next, static_cast<int>(next % kStages));
-    cp_async_commit();
-    const T* sa = smem + static_cast<int>(step % kStages) * kStageElems;
-    const T* sb = sa + kTileRows * kPitch;
 #pragma unroll
-    for (int kk = 0; kk < kMmaDepth; kk += 16) {
-      uint32_t af[2][4];
+  for (int i = 0; i < 4; ++i)
+    reinterpret_cast<uint4*>(dst)[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+}
+
+// Rows of a multiple of 16 bytes (FP8: K % 16 == 0; FP4: K % 32 == 0), 16-byte aligned weights (the
+// launcher checks).
+template <typename T, Projection P, WeightFormat F>
+__global__ void __launch_bounds__(kMmaThreads) mma_quantized_kernel(const GroupedProblem g) {
+  using Q = QuantizedFormat<F>;
+  static_assert(kTileRows * 4 == kMmaThreads && kMmaCols == kMmaThreads, "one left chunk and one weight row a thread");
+  static_assert(Q::kBlockK % kMmaDepth == 0, "a step lies in one scale block");
+  static_assert(F != WeightFormat::fp8_e4m3 || Q::kBlockK == kMmaDepth * kStepsPerGroup,
+                "FP8 scale blocks are the activation groups");
+  constexpr int kRawBytes = kMmaDepth / Q::kValuesPerByte;  // weight bytes of a row per step
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  int64_t expert, row_begin, row_end;
+  if (!find_tile(g, expert, row_begin, row_end, kTileRows)) return;
+  const ExpertsArgs& a = g.a;
+  const int64_t K = ProjectionShape<P>::reduction(a), N = ProjectionShape<P>::outputs(a);
+  const int64_t row_bytes = K / Q::kValuesPerByte;
+  const uint8_t* w = static_cast<const uint8_t*>(P == Projection::up ? a.up : a.down) + expert * N * row_bytes;
+  const void* scales = P == Projection::up ? a.up_scale : a.down_scale;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  bf16* converted = reinterpret_cast<bf16*>(smem_raw + kStages * quantized_stage_bytes(F));
+  float* row_scale = reinterpret_cast<float*>(converted + kMmaCols * kPitch);  // [kTileRows] of the current block
+  float* col_scale = row_scale + kTileRows;                                    // [kMmaCols], FP8
+
+  // Thread tid loads left chunk tid (8 codes of row tid / 4) and weight row tid of the tile, converts that
+  // weight row and, tid < kTileRows, supplies row tid's activation scales.
+  const int64_t a_row = row_begin + tid / 4;
+  const bf16* a_src = a_row < row_end ? quantized_left_row<P>(g, a_row).codes + (tid % 4) * 8 : nullptr;
+  const float* my_row_scales = nullptr;
+  if (tid < kTileRows && row_begin + tid < row_end) my_row_scales = quantized_left_row<P>(g, row_begin + tid).scales;
+  const int64_t out = tile_output<P>(a, block_col(g), tid, kMmaCols);
+  const uint8_t* w_row = out >= 0 ? w + out * row_bytes : nullptr;
+  const int64_t w_scale_row = Q::scale_row(expert, out < 0 ? 0 : out, N, K);
+
+  auto stage_left = [&](int stage) { return reinterpret_cast<bf16*>(smem_raw + stage * quantized_stage_bytes(F)); };
+  auto stage_raw = [&](int stage) { return smem_raw + stage * quantized_stage_bytes(F) + kTileRows * kPitch * 2; };
+  const int64_t k_steps = (K + kMmaDepth - 1) / kMmaDepth;
+  auto load_stage = [&](int64_t step, int stage) {
+    const int64_t k0 = step * kMmaDepth;
+    // Codes rows hold whole 128-wide groups (zeros past K), so every step's chunk lies inside the row.
+    cp_async16(stage_left(stage) + (tid / 4) * kPitch + (tid % 4) * 8, a_src ? a_src + k0 : static_cast<const void*>(w),
+               a_src != nullptr);
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        ldmatrix_x4(af[mt], sa + (warp_m * 32 + mt * 16 + lane % 16) * kPitch + kk + (lane / 16) * 8);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {  // pairs of 8-column tiles
-        uint32_t bf[4];
-        ldmatrix_x4(bf, sb + (warp_n * 64 + np * 16 + lane % 8 + (lane / 16) * 8) * kPitch + kk + ((lane / 8) % 2) * 8);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma16816<T>(acc[mt][2 * np], af[mt], bf[0], bf[1]);
-          mma16816<T>(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
-        }
+    for (int c = 0; c < kRawBytes / 16; ++c) {
+      const int64_t byte = k0 / Q::kValuesPerByte + c * 16;
+      const bool ok = w_row && byte < row_bytes;  // rows of whole 16-byte chunks
+      cp_async16(stage_raw(stage) + tid * raw_pitch(F) + c * 16, ok ? w_row + byte : w, ok);
+    }
+  };
+
+  // Scales are read a block (activations, FP8 weights) or a step (FP4 weights) ahead of their use, so that
+  // their latency hides behind the work in between.
+  auto weight_scale = [&](int64_t i) { return w_row ? block_scale_at(a, scales, w_scale_row + i) : 0.0f; };
+  auto activation_scale = [&](int64_t group) { return my_row_scales ? my_row_scales[group] : 0.0f; };
+  const int64_t groups = (k_steps + kStepsPerGroup - 1) / kStepsPerGroup;
+  float next_row_scale = activation_scale(0);
+  float next_col_scale = F == WeightFormat::fp8_e4m3 ? weight_scale(0) : 0.0f;
+  float next_step_scale = F == WeightFormat::fp4_e2m1 ? weight_scale(0) : 0.0f;
+
+  const int warp_m = warp / 4, warp_n = warp % 4;  // warp tile: rows 32*warp_m, cols 64*warp_n
+  float acc[2][8][4] = {}, block_acc[2][8][4] = {};
+  // Each step begins after every warp is done with the previous one's converted tile and scales.
+  pipelined_steps(k_steps, load_stage, [&](int64_t step, int stage) {
+    if (step % kStepsPerGroup == 0) {  // a new 128-deep block: its scales
+      if (tid < kTileRows) row_scale[tid] = next_row_scale;
+      if constexpr (F == WeightFormat::fp8_e4m3) col_scale[tid] = next_col_scale;
+      const int64_t next_group = step / kStepsPerGroup + 1;
+      if (next_group < groups) {
+        next_row_scale = activation_scale(next_group);
+        if constexpr (F == WeightFormat::fp8_e4m3) next_col_scale = weight_scale(next_group);
       }
     }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-  // Accumulators to shared memory (over the pipeline buffers), then the shared epilogue.
-  float* c = reinterpret_cast<float*>(smem_raw);
+    const float step_scale = next_step_scale;
+    if (F == WeightFormat::fp4_e2m1 && step + 1 < k_steps) next_step_scale = weight_scale(step + 1);
+    convert_weight_row<F>(stage_raw(stage) + tid * raw_pitch(F), step_scale, converted + tid * kPitch);
+    __syncthreads();
+    warp_tile_step<bf16>(block_acc, stage_left(stage), converted, warp_m, warp_n, lane);
+    if (step % kStepsPerGroup == kStepsPerGroup - 1 || step == k_steps - 1) {
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int r = warp_m * 32 + mt * 16 + lane / 4, col = warp_n * 64 + nt * 8 + (lane % 4) * 2;
-      c[r * kCPitch + col] = acc[mt][nt][0];
-      c[r * kCPitch + col + 1] = acc[mt][nt][1];
-      c[(r + 8) * kCPitch + col] = acc[mt][nt][2];
-      c[(r + 8) * kCPitch + col + 1] = acc[mt][nt][3];
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            float scale = row_scale[fragment_row(warp_m, mt, lane, i)];
+            if constexpr (F == WeightFormat::fp8_e4m3) scale *= col_scale[fragment_col(warp_n, nt, lane, i)];
+            acc[mt][nt][i] = fmaf(block_acc[mt][nt][i], scale, acc[mt][nt][i]);
+            block_acc[mt][nt][i] = 0.0f;
+          }
     }
-  __syncthreads();
-  store_tile<T, P, kTileRows, kMmaCols>(g, c, kCPitch, expert, row_begin, row_end, block_col(g));
+  });
+  write_tile<T, P>(g, smem_raw, acc, warp_m, warp_n, lane, expert, row_begin, row_end);
 }
 
 bool aligned16(const void* p) {
@@ -222,10 +435,31 @@ unsigned grid_blocks(int64_t row_tiles, int64_t col_blocks) {
   return static_cast<unsigned>(row_tiles * col_blocks);
 }
 
+template <typename T, Projection P, WeightFormat F>
+void launch_quantized(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
+  const ExpertsArgs& a = g.a;
+  MOEKIT_CHECK(!a.transposed, "grouped products: quantised weights must not be transposed (validated earlier)");
+  const int64_t K = P == Projection::up ? a.hidden : a.intermediate;
+  GroupedProblem launched = g;
+  if (K % kValuesPer16Bytes<F> == 0 && aligned16(P == Projection::up ? a.up : a.down)) {
+    launched.col_blocks = column_blocks(a, P, kMmaCols);
+    auto* kernel = mma_quantized_kernel<T, P, F>;
+    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(quantized_smem_bytes(F))));
+    kernel<<<grid_blocks(max_tiles, launched.col_blocks), kMmaThreads, quantized_smem_bytes(F), stream>>>(launched);
+  } else {
+    launched.col_blocks = column_blocks(a, P, kSimtCols);
+    simt_kernel<T, P, F><<<grid_blocks(max_tiles, launched.col_blocks), 256, 0, stream>>>(launched);
+  }
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
 template <typename T, Projection P>
 void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
   if (max_tiles <= 0) return;
   const ExpertsArgs& a = g.a;
+  if (a.fp8()) return launch_quantized<T, P, WeightFormat::fp8_e4m3>(g, max_tiles, stream);
+  if (a.fp4()) return launch_quantized<T, P, WeightFormat::fp4_e2m1>(g, max_tiles, stream);
   const int64_t K = P == Projection::up ? a.hidden : a.intermediate;
   const void* left = P == Projection::up ? a.x : g.hidden;
   const void* weights = P == Projection::up ? a.up : a.down;
@@ -245,7 +479,7 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
   }
   GroupedProblem launched = g;
   launched.col_blocks = column_blocks(a, P, kSimtCols);
-  simt_kernel<T, P><<<grid_blocks(max_tiles, launched.col_blocks), 256, 0, stream>>>(launched);
+  simt_kernel<T, P, WeightFormat::none><<<grid_blocks(max_tiles, launched.col_blocks), 256, 0, stream>>>(launched);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -296,17 +530,25 @@ __global__ void __launch_bounds__(256) combine_kernel(const ExpertsArgs a, const
   }
 }
 
+// Byte offsets in the workspace; the codes and scales exist with quantised weights only.
 struct GroupedLayout {
-  std::size_t hidden, y, total;
+  std::size_t hidden, y, x_codes, x_scales, hidden_codes, hidden_scales, total;
 };
 
 GroupedLayout grouped_layout(const ExpertsArgs& a) {
   const int64_t P = a.tokens * a.top_k;
   auto round = [](std::size_t b) { return (b + 255) / 256 * 256; };
+  auto bytes = [](int64_t n, std::size_t size) { return static_cast<std::size_t>(n) * size; };
+  const int64_t q = a.quantized() ? 1 : 0;
+  const int64_t h_groups = activation_groups(a.hidden), i_groups = activation_groups(a.intermediate);
   GroupedLayout l;
   l.hidden = kRoutingOffset + round(routing_workspace_bytes(P, a.experts));
-  l.y = l.hidden + round(static_cast<std::size_t>(P * a.intermediate) * dtype_size(a.dtype));
-  l.total = l.y + round(static_cast<std::size_t>(P * a.hidden) * sizeof(float));
+  l.y = l.hidden + round(bytes(P * a.intermediate, a.quantized() ? sizeof(float) : dtype_size(a.dtype)));
+  l.x_codes = l.y + round(bytes(P * a.hidden, sizeof(float)));
+  l.x_scales = l.x_codes + round(bytes(q * a.tokens * h_groups * 128, sizeof(bf16)));
+  l.hidden_codes = l.x_scales + round(bytes(q * a.tokens * h_groups, sizeof(float)));
+  l.hidden_scales = l.hidden_codes + round(bytes(q * P * i_groups * 128, sizeof(bf16)));
+  l.total = l.hidden_scales + round(bytes(q * P * i_groups, sizeof(float)));
   return l;
 }
 
@@ -323,7 +565,44 @@ GroupedProblem grouped_buffers(const ExpertsArgs& a, void* workspace) {
   g.a = a;
   g.hidden = base + l.hidden;
   g.y = reinterpret_cast<float*>(base + l.y);
+  if (a.quantized()) {
+    g.x_codes = reinterpret_cast<bf16*>(base + l.x_codes);
+    g.x_scales = reinterpret_cast<float*>(base + l.x_scales);
+    g.hidden_codes = reinterpret_cast<bf16*>(base + l.hidden_codes);
+    g.hidden_scales = reinterpret_cast<float*>(base + l.hidden_scales);
+  }
   return g;
+}
+
+void quantize_grouped_x(const GroupedProblem& g, cudaStream_t stream) {
+  const ExpertsArgs& a = g.a;
+  if (!a.quantized() || a.tokens == 0) return;
+  MOEKIT_CHECK(a.tokens <= 0x7fffffff, "grouped products: too many tokens for one launch");
+  QuantizedRows dst;
+  dst.codes = g.x_codes;
+  dst.scales = g.x_scales;
+  visit_float_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    quantize_rows_kernel<T><<<static_cast<unsigned>(a.tokens), 128, 0, stream>>>(static_cast<const T*>(a.x), a.hidden,
+                                                                                 a.ue8m0_scales, dst);
+  });
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_grouped_hidden(const GroupedProblem& g, int64_t first_row, int64_t rows, const int32_t* row_count,
+                             cudaStream_t stream) {
+  const ExpertsArgs& a = g.a;
+  if (!a.quantized() || rows == 0) return;
+  MOEKIT_CHECK(rows <= 0x7fffffff, "grouped products: too many rows for one launch");
+  MOEKIT_CHECK(!row_count || first_row == 0, "quantize_grouped_hidden: a row count applies from row 0");
+  const int64_t groups = activation_groups(a.intermediate);
+  QuantizedRows dst;
+  dst.codes = g.hidden_codes + first_row * groups * 128;
+  dst.scales = g.hidden_scales + first_row * groups;
+  dst.row_count = row_count;
+  quantize_rows_kernel<float><<<static_cast<unsigned>(rows), 128, 0, stream>>>(
+      static_cast<const float*>(g.hidden) + first_row * a.intermediate, a.intermediate, a.ue8m0_scales, dst);
+  MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
 void launch_grouped_projection(const GroupedProblem& g, Projection p, int64_t max_tiles, cudaStream_t stream) {

@@ -6,9 +6,12 @@
 // down: hidden [S, I] @ down_e [H, I]^T -> y [S, H] float (bias in the epilogue)
 // Rows are grouped by expert; tiles of kTileRows rows never straddle two experts. The tile
 // schedule comes from the device routing, so nothing is read back to the host.
+// Block-quantised weights (FP8, FP4): the left operands are the activations' e4m3 codes with a scale per
+// row and 128-wide group (x quantised once per call, hidden after the up projection wrote it in float),
+// and the kernels convert the weight codes as they read them.
 #pragma once
 
-#include "moekit/cuda/device_math.cuh"
+#include "moekit/cuda/quantized_weights.cuh"
 #include "moekit/cuda/routing.cuh"
 
 namespace moekit::cuda {
@@ -18,8 +21,14 @@ enum class Projection : uint8_t { up, down };
 struct GroupedProblem {
   ExpertsArgs a;
   DeviceRouting r;
-  void* hidden = nullptr;  // [P, I] in the activation dtype (first offsets[E] rows used)
+  void* hidden = nullptr;  // [P, I] in the activation dtype, float with quantised weights (first offsets[E] rows used)
   float* y = nullptr;      // [P, H]
+  // Quantised weights: the left operands as e4m3 codes (exact in bf16) [rows, groups * 128], zero past the
+  // row's end, and their scales [rows, groups], one per 128-wide group: x per token, hidden per row.
+  bf16* x_codes = nullptr;
+  float* x_scales = nullptr;
+  bf16* hidden_codes = nullptr;
+  float* hidden_scales = nullptr;
   int only_expert = -1;    // >= 0: the grid covers this expert's tiles only (eager)
   int64_t col_blocks = 1;  // column blocks per row tile (set by the launcher)
 };
@@ -95,6 +104,26 @@ __device__ __forceinline__ const T* left_row(const GroupedProblem& g, int64_t ro
   }
 }
 
+// Row `row` (sorted order) of the left operand of a projection of quantised weights: codes and scales.
+struct CodesRow {
+  const bf16* codes = nullptr;
+  const float* scales = nullptr;
+};
+
+// 128-wide activation groups of a row of n values.
+__host__ __device__ __forceinline__ int64_t activation_groups(int64_t n) {
+  return (n + 127) / 128;
+}
+
+template <Projection P>
+__device__ __forceinline__ CodesRow quantized_left_row(const GroupedProblem& g, int64_t row) {
+  const int64_t groups = activation_groups(ProjectionShape<P>::reduction(g.a));
+  const int64_t source = P == Projection::up ? g.r.row_pair[row] / g.a.top_k : row;
+  const bf16* codes = P == Projection::up ? g.x_codes : g.hidden_codes;
+  const float* scales = P == Projection::up ? g.x_scales : g.hidden_scales;
+  return {codes + source * groups * 128, scales + source * groups};
+}
+
 // Writes a finished tile c[rows][ldc] (float, in shared memory): bias and activation into hidden
 // for the up projection, bias into y for the down projection. All threads of the block take part.
 template <typename T, Projection P, int kRows, int kCols>
@@ -116,7 +145,11 @@ __device__ __forceinline__ void store_tile(const GroupedProblem& g, const float*
         gate += to_f(bias[a.has_gate ? gate_col(a, j) : j]);
         if (a.has_gate) up += to_f(bias[up_col(a, j)]);
       }
-      static_cast<T*>(g.hidden)[row * a.intermediate + j] = from_f<T>(activate(a, gate, up));
+      const float h = activate(a, gate, up);
+      if (a.quantized())  // quantised per 128-wide group afterwards (quantize_grouped_hidden)
+        static_cast<float*>(g.hidden)[row * a.intermediate + j] = h;
+      else
+        static_cast<T*>(g.hidden)[row * a.intermediate + j] = from_f<T>(h);
     }
   } else {
     const int64_t h0 = col_block * kCols;
@@ -149,6 +182,14 @@ inline int64_t column_blocks(const ExpertsArgs& a, Projection p, int cols) {
 // Launches one projection for every expert (only_expert < 0, grid sized for max_tiles row tiles) or
 // for one expert (grid exactly its tiles). Picks the tensor-core kernel where it applies.
 void launch_grouped_projection(const GroupedProblem& g, Projection p, int64_t max_tiles, cudaStream_t stream);
+
+// Quantised weights: the activations' codes and scales that the projections read. quantize_grouped_x:
+// every token of x, once per call, before the up projection. quantize_grouped_hidden: hidden rows
+// [first_row, first_row + rows) after the up projection wrote them, before the down projection; rows from
+// *row_count on (a device count, when not null) are skipped. Nothing without quantised weights.
+void quantize_grouped_x(const GroupedProblem& g, cudaStream_t stream);
+void quantize_grouped_hidden(const GroupedProblem& g, int64_t first_row, int64_t rows, const int32_t* row_count,
+                             cudaStream_t stream);
 
 // Rows per tile of every grouped kernel (both kernels share the routing's tile schedule).
 constexpr int kTileRows = 64;

@@ -2,7 +2,7 @@
 // combine. Every launch is sized from host-known bounds, so the call never synchronises with the
 // host and can be captured in a CUDA graph. On Hopper (compute capability 9.0) the problems deepgemm's
 // TMA + wgmma kernels take run through them (same routing and combine, rows padded per expert), FP8
-// weights included (H and I multiples of 128; elsewhere grouped_mm refuses FP8 on CUDA);
+// weights included (H and I multiples of 128); FP4, and FP8 of other sizes, run on the portable kernels;
 // MOEKIT_HOPPER_GEMM=0 in the environment keeps the portable kernels (read once; for comparing them).
 #include <algorithm>
 #include <cstdlib>
@@ -31,14 +31,14 @@ std::size_t grouped_mm_workspace_bytes(const ExpertsArgs& a) {
 
 void grouped_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   if (uses_hopper_gemm(a)) return deepgemm_forward(a, workspace, stream);
-  MOEKIT_CHECK(!a.fp8, "grouped_mm runs FP8 weights on CUDA only through the Hopper kernels (compute capability 9.0, "
-                       "H and I multiples of 128), which MOEKIT_HOPPER_GEMM=0 turns off");
   GroupedProblem g = grouped_buffers(a, workspace);
   route_on_device(a, kTileRows, static_cast<char*>(workspace) + kRoutingOffset, g.r, stream);
   const int64_t P = a.tokens * a.top_k;
   // Worst case over all routings: every expert's last tile partly filled.
   const int64_t max_tiles = (P + kTileRows - 1) / kTileRows + std::min(a.experts, P);
+  quantize_grouped_x(g, stream);
   launch_grouped_projection(g, Projection::up, max_tiles, stream);
+  quantize_grouped_hidden(g, 0, P, g.r.offsets + a.experts, stream);
   launch_grouped_projection(g, Projection::down, max_tiles, stream);
   launch_combine(g, stream);
 }

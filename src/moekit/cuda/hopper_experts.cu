@@ -73,11 +73,11 @@ Layout layout(const ExpertsArgs& a, Variant v) {
   l.pair_row = align256(routing_workspace_bytes(static_cast<int64_t>(P), a.experts));
   l.padded_pair = l.pair_row + align256(P * 4);
   l.rows = l.padded_pair + align256(M * 4);
-  l.row_scales = l.rows + (v == Variant::sonicmoe ? 0 : align256(M * H * (a.fp8 ? 1 : e)));
-  l.hidden = l.row_scales + (a.fp8 ? align256((H / 128) * M * 4) : 0);
-  l.hidden_q = l.hidden + align256(M * I * (a.fp8 ? 4 : e));
-  l.hidden_scales = l.hidden_q + (a.fp8 ? align256(M * I) : 0);
-  l.y = l.hidden_scales + (a.fp8 ? align256((I / 128) * M * 4) : 0);
+  l.row_scales = l.rows + (v == Variant::sonicmoe ? 0 : align256(M * H * (a.fp8() ? 1 : e)));
+  l.hidden = l.row_scales + (a.fp8() ? align256((H / 128) * M * 4) : 0);
+  l.hidden_q = l.hidden + align256(M * I * (a.fp8() ? 4 : e));
+  l.hidden_scales = l.hidden_q + (a.fp8() ? align256(M * I) : 0);
+  l.y = l.hidden_scales + (a.fp8() ? align256((I / 128) * M * 4) : 0);
   l.total = l.y + align256(M * H * e);
   return l;
 }
@@ -120,7 +120,7 @@ __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, in
     }
     if (!rows) continue;
     const int64_t token = pair / a.top_k;
-    if (a.fp8) {
+    if (a.fp8()) {
       auto* q = static_cast<uint8_t*>(rows) + padded * a.hidden;
       for (int64_t g = warp; g < a.hidden / 128; g += blockDim.x / 32) {
         if (a.dtype == DType::bf16)
@@ -355,20 +355,20 @@ void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stre
   const char* name = v == Variant::sonicmoe ? "sonicmoe" : "deepgemm";
   MOEKIT_CHECK(a.dtype == DType::bf16 || a.dtype == DType::f16, name, ": activations must be bf16 or f16, not ",
                dtype_name(a.dtype));
-  MOEKIT_CHECK(hopper_gemm_runs(a) && !(a.fp8 && v == Variant::sonicmoe), name,
+  MOEKIT_CHECK(hopper_gemm_runs(a) && !(a.fp8() && v == Variant::sonicmoe), name,
                ": problem outside the supported set (checked by the backend's supports())");
   if (a.dtype == DType::bf16)
-    a.fp8 ? forward_typed<bf16, true>(a, workspace, v, stream) : forward_typed<bf16, false>(a, workspace, v, stream);
+    a.fp8() ? forward_typed<bf16, true>(a, workspace, v, stream) : forward_typed<bf16, false>(a, workspace, v, stream);
   else
-    a.fp8 ? forward_typed<f16, true>(a, workspace, v, stream) : forward_typed<f16, false>(a, workspace, v, stream);
+    a.fp8() ? forward_typed<f16, true>(a, workspace, v, stream) : forward_typed<f16, false>(a, workspace, v, stream);
 }
 
 }  // namespace
 
 bool hopper_gemm_runs(const ExpertsArgs& a) {
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
-  const int64_t granule = a.fp8 ? 128 : 8;  // FP8: whole scale blocks; otherwise 16-byte rows
-  return (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && a.hidden % granule == 0 &&
+  const int64_t granule = a.fp8() ? 128 : 8;  // FP8: whole scale blocks; otherwise 16-byte rows
+  return !a.fp4() && (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && a.hidden % granule == 0 &&
          a.intermediate % granule == 0 && aligned(a.x) && aligned(a.up) && aligned(a.down) && device_is_sm90();
 }
 
@@ -399,7 +399,7 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
   a.intermediate = gated ? g.n / 2 : g.k;
   a.has_gate = true;
   a.act = Act::silu;
-  a.fp8 = g.fp8;
+  a.weights = g.fp8 ? WeightFormat::fp8_e4m3 : WeightFormat::none;
   a.ue8m0_scales = g.ue8m0_scales;
   const int parts = gated ? 2 : 1;
   const GemmProjection j{.rows = g.rows,
