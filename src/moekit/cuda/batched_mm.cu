@@ -93,7 +93,8 @@ constexpr int kStreamLoads = 16;  // 16-byte weight loads in flight per lane
 constexpr int kStreamBlocksPerSm = 4;
 
 // hidden[pair, j] = act(gate_j . x_t + b, up_j . x_t + b) for the warp's column j (gated), or
-// act(row_j . x_t + b) for its two columns j, j + 1 (ungated). grid ceil(P * cols / 4) blocks of 4 warps.
+// act(row_j . x_t + b) for its two columns j, j + 1 (ungated). grid (P, ceil(columns / 4)), 4 warps a
+// block (the warps of a block share x).
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm)
     up_stream_kernel(const ExpertsArgs a, float* __restrict__ hidden) {
@@ -104,14 +105,11 @@ __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm)
 #endif
   const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
   const int cols = a.has_gate ? 1 : 2;
-  const int64_t warps_per_pair = (I + cols - 1) / cols;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t pair = w / warps_per_pair;
-  if (pair >= a.tokens * a.top_k) return;
+  const int64_t pair = blockIdx.x, j = (static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32) * cols;
+  if (j >= I) return;
   const int64_t e = load_id(a, pair);
   if (e < 0 || e >= a.experts) return;  // sentinel (or invalid: the down kernel poisons that token)
-  const int64_t j = (w % warps_per_pair) * cols;
   const T* base = static_cast<const T*>(a.up) + e * N * H;
   // Gated: the gate and up rows of column j; ungated: columns j and j + 1 (clamped; not stored past I).
   const T* row0 = base + (a.has_gate ? gate_col(a, j) : j) * H;
@@ -622,9 +620,11 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   const bool stream_up = a.hidden % V == 0 && aligned16(a.up) && aligned16(a.x);
   const bool stream_down = a.intermediate % V == 0 && aligned16(a.down) && aligned16(hidden);
   if (stream_up) {
-    const int64_t warps = P * (a.has_gate ? a.intermediate : (a.intermediate + 1) / 2);
-    MOEKIT_CHECK((warps + kWarps - 1) / kWarps <= 0x7fffffff, "batched_mm: too many pairs for one launch");
-    up_stream_kernel<T><<<static_cast<unsigned>((warps + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(a, hidden);
+    const int64_t columns_per_pair = a.has_gate ? a.intermediate : (a.intermediate + 1) / 2;
+    MOEKIT_CHECK((columns_per_pair + kWarps - 1) / kWarps <= 65535, "batched_mm on CUDA: intermediate size ",
+                 a.intermediate, " is too large for one launch");
+    up_stream_kernel<T><<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((columns_per_pair + kWarps - 1) / kWarps)),
+                          kWarps * 32, 0, stream>>>(a, hidden);
   } else {
     MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(up_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(x_bytes)));

@@ -166,7 +166,6 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CU
   auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kStages<kFp8>, kCluster, kGatherA, kFp8>;
   constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kStages<kFp8>, kFp8>();
   static_assert(smem <= 227 * 1024, "the pipeline does not fit in shared memory");
-  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -179,12 +178,21 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CU
   config.attrs = &cluster;
   config.numAttrs = 1;
   // One cluster per pair of multiprocessors that can hold one, never more than there are units of work.
-  int clusters = multiprocessor_count() / kCluster;
-  if constexpr (kCluster > 1) {
-    config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-    MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-    MOEKIT_CHECK(clusters > 0, "deepgemm: no cluster of ", kCluster, " blocks fits on this device");
-  }
+  // The shared memory opt-in and the occupancy query are made once per device: asked of the driver on
+  // every call, they cost more host time than a decode step's kernels take.
+  static std::mutex mutex;
+  static std::array<int, 64> resident_clusters{};
+  const int clusters = once_per_device(resident_clusters, mutex, [&] {
+    MOEKIT_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    int fit = multiprocessor_count() / kCluster;
+    if constexpr (kCluster > 1) {
+      config.gridDim = dim3(static_cast<unsigned>(fit * kCluster));
+      MOEKIT_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&fit, kernel, &config));
+      MOEKIT_CHECK(fit > 0, "deepgemm: no cluster of ", kCluster, " blocks fits on this device");
+    }
+    return fit;
+  });
   const int64_t units = (max_tiles + kCluster - 1) / kCluster * p.n_blocks;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(units, clusters) * kCluster));
   MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, s_map, p));

@@ -71,21 +71,21 @@ CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape&
   return map;
 }
 
-namespace {
-
-// One attribute of the current device, cached per device (devices past the cache are asked each time).
-int cached_attribute(cudaDeviceAttr attr, std::array<int, 64>& cache, std::mutex& mutex) {
+int current_device() {
   int device = 0;
   MOEKIT_CUDA_CHECK(cudaGetDevice(&device));
-  auto query = [&] {
+  return device;
+}
+
+namespace {
+
+// One attribute of the current device, cached per device.
+int cached_attribute(cudaDeviceAttr attr, std::array<int, 64>& cache, std::mutex& mutex) {
+  return once_per_device(cache, mutex, [&] {
     int v = 0;
-    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, device));
-    return v + 1;  // 0 marks "not asked yet"
-  };
-  if (device >= static_cast<int>(cache.size())) return query() - 1;
-  std::lock_guard lock(mutex);
-  if (cache[device] == 0) cache[device] = query();
-  return cache[device] - 1;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&v, attr, current_device()));
+    return v;
+  });
 }
 
 }  // namespace

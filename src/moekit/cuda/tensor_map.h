@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <mutex>
 
 #include "moekit/dtype.h"
 
@@ -27,6 +28,21 @@ struct TensorMapShape {
 // at most 128 bytes), or for f32 without swizzle (scales); reads past the edges of the tensor fill the
 // box with zeros. Throws naming the violated constraint.
 CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape& shape);
+
+// The current device's ordinal.
+int current_device();
+
+// query() (a non-negative int) for the current device, asked once per device and then remembered in
+// cache (devices past its size are asked every time). For host-side facts that cost more to ask the
+// driver for on every call than a small kernel takes to run.
+template <typename Query>
+int once_per_device(std::array<int, 64>& cache, std::mutex& mutex, Query query) {
+  const int device = current_device();
+  if (device >= static_cast<int>(cache.size())) return query();
+  std::lock_guard lock(mutex);
+  if (cache[device] == 0) cache[device] = query() + 1;  // 0 marks "not asked yet"
+  return cache[device] - 1;
+}
 
 // Multiprocessors of the current device (cached per device).
 int multiprocessor_count();
