@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "moekit/cpu/quantized_gemv.h"
 #include "moekit/dtype.h"
 #include "moekit/quantization.h"
 #include "moekit/random_problem.h"
@@ -358,6 +359,9 @@ TEST(QuantizeActivations, PerGroupOf128FromAmax) {
   std::uniform_real_distribution<float> u(-3.0f, 3.0f);
   for (auto& v : x) v = u(rng);
   for (int64_t i = 128; i < 256; ++i) x[static_cast<std::size_t>(i)] = 0;  // an all-zero group
+  x[1] = 1e-5f;                                                            // e4m3 subnormals once scaled
+  x[2] = -3e-5f;
+  x[3] = -0.0f;
   for (bool pow2 : {false, true}) {
     SCOPED_TRACE(pow2 ? "power-of-two scales" : "f32 scales");
     std::vector<float> out(n), scales(3);
@@ -376,6 +380,7 @@ TEST(QuantizeActivations, PerGroupOf128FromAmax) {
       for (int64_t i = g * 128; i < std::min<int64_t>(n, g * 128 + 128); ++i) {
         const auto k = static_cast<std::size_t>(i);
         EXPECT_EQ(out[k], to_float(codes[k]) * s);
+        EXPECT_EQ(codes[k].bits, from_float<f8_e4m3>(x[k] / s).bits) << i;
         EXPECT_LE(std::fabs(out[k] - x[k]), std::max(std::fabs(x[k]) * 0x1p-4f, s * 0x1p-10f) * 1.000001f) << i;
       }
     }
@@ -384,11 +389,78 @@ TEST(QuantizeActivations, PerGroupOf128FromAmax) {
     quantize_activations(same.data(), n, pow2, same.data());
     EXPECT_EQ(same, out);
   }
-  // A NaN stays visible.
+  // A NaN stays visible, in the values and in the codes.
   x[5] = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> out(n);
-  quantize_activations(x.data(), n, false, out.data());
+  std::vector<float> out(n), scales(3);
+  std::vector<f8_e4m3> codes(n);
+  quantize_activations(x.data(), n, false, out.data(), codes.data(), scales.data());
   EXPECT_TRUE(std::isnan(out[5]));
+  EXPECT_TRUE(std::isnan(to_float(codes[5])));
+}
+
+// gemv_rows_fp8_codes (the build this machine picks) against float64 sums of the decoded codes times both
+// scales: every e4m3 code on both sides, row blocks of 128 with their own scales, K with partial 64- and
+// 128-wide blocks, a row step; a NaN code on either side reads as NaN.
+TEST(QuantizedGemv, Fp8CodesMatchFloat64) {
+  std::mt19937 rng(21);
+  auto finite_code = [&] {
+    uint8_t c;
+    do c = static_cast<uint8_t>(rng());
+    while ((c & 0x7f) == 0x7f);
+    return c;
+  };
+  std::uniform_real_distribution<float> u(0.25f, 4.0f);
+  const int64_t rows = 260;
+  for (bool ue8m0_scales : {false, true})
+    for (int64_t k_len : {1, 63, 64, 100, 128, 200, 300, 1024}) {
+      SCOPED_TRACE(testing::Message() << "K=" << k_len << (ue8m0_scales ? " ue8m0" : " f32"));
+      const int64_t kb = (k_len + 127) / 128, nb = (rows + 127) / 128;
+      std::vector<uint8_t> w(static_cast<std::size_t>(rows * k_len));
+      for (auto& c : w) c = finite_code();
+      std::vector<float> w_scale(static_cast<std::size_t>(nb * kb));
+      std::vector<ue8m0> w_scale_e(w_scale.size());
+      for (std::size_t i = 0; i < w_scale.size(); ++i) {
+        w_scale_e[i] = ue8m0{static_cast<uint8_t>(120 + rng() % 14)};
+        w_scale[i] = ue8m0_scales ? to_float(w_scale_e[i]) : u(rng);
+      }
+      std::vector<f8_e4m3> x(static_cast<std::size_t>(k_len));
+      for (auto& c : x) c = f8_e4m3{finite_code()};
+      std::vector<float> x_scale(static_cast<std::size_t>(kb));
+      for (auto& s : x_scale) s = u(rng) * 0x1p-6f;
+      cpu::QuantizedMatrix m;
+      m.data = w.data();
+      m.row_bytes = k_len;
+      m.ue8m0_scales = ue8m0_scales;
+      m.scales = ue8m0_scales ? static_cast<const void*>(w_scale_e.data()) : w_scale.data();
+      m.scale_ld = kb;
+      const cpu::QuantizedVector v{x.data(), x_scale.data()};
+      for (int64_t step : {1, 3}) {
+        const int64_t first = step == 1 ? 0 : 5, n_rows = (rows - first + step - 1) / step;
+        std::vector<float> y(static_cast<std::size_t>(n_rows), std::numeric_limits<float>::quiet_NaN());
+        cpu::gemv_rows_fp8_codes(m, first, step, v, y.data(), n_rows, k_len);
+        for (int64_t i = 0; i < n_rows; ++i) {
+          const int64_t n = first + i * step;
+          double ref = 0, magnitude = 0;
+          for (int64_t k = 0; k < k_len; ++k) {
+            const double term = e4m3_definition(w[static_cast<std::size_t>(n * k_len + k)]) *
+                                e4m3_definition(x[static_cast<std::size_t>(k)].bits) *
+                                w_scale[static_cast<std::size_t>(n / 128 * kb + k / 128)] *
+                                x_scale[static_cast<std::size_t>(k / 128)];
+            ref += term;
+            magnitude += std::fabs(term);
+          }
+          ASSERT_NEAR(y[static_cast<std::size_t>(i)], ref, 1e-6 * magnitude + 1e-30) << "row " << n;
+        }
+      }
+      // NaN codes: in one weight row that row only; in x every row.
+      w[static_cast<std::size_t>(7 * k_len + k_len / 2)] = 0xff;
+      std::vector<float> y(static_cast<std::size_t>(rows));
+      cpu::gemv_rows_fp8_codes(m, 0, 1, v, y.data(), rows, k_len);
+      for (int64_t n = 0; n < rows; ++n) EXPECT_EQ(std::isnan(y[static_cast<std::size_t>(n)]), n == 7) << n;
+      x[static_cast<std::size_t>(k_len - 1)] = f8_e4m3{0x7f};
+      cpu::gemv_rows_fp8_codes(m, 0, 1, v, y.data(), rows, k_len);
+      for (int64_t n = 0; n < rows; ++n) EXPECT_TRUE(std::isnan(y[static_cast<std::size_t>(n)])) << n;
+    }
 }
 
 TEST(QuantizationConfig, NamesAndDefaults) {

@@ -4,7 +4,9 @@
 // bounded at any token count: tokens run in blocks, each block's pairs in a fixed-size workspace.
 // Quantised weights (FP8, FP4) are read in their stored bytes by the quantised gemv, which converts them
 // in registers, so decode reads half (FP8) or a quarter (FP4) of bf16's bytes; activations are quantised
-// per token (and per pair, for the down projection's input) right before each projection.
+// per token (and per pair, for the down projection's input) right before each projection. With FP8 weights
+// the products take the activations' e4m3 codes and group scales (gemv_rows_fp8_codes: code times code,
+// both scales applied per 128-wide block), which reads a quarter of float x's bytes per weight byte.
 #include <algorithm>
 
 #include "moekit/backends/builtin_backends.h"
@@ -13,6 +15,7 @@
 #include "moekit/cpu/activation_math.h"
 #include "moekit/cpu/gemv.h"
 #include "moekit/cpu/quantized_gemv.h"
+#include "moekit/quantization.h"
 
 namespace moekit::backends {
 namespace {
@@ -33,6 +36,48 @@ int64_t row_bytes(const cpu::ExpertLayout& l, DType activation_dtype, int64_t k_
   return l.gate_up.dtype() == DType::f4_e2m1 ? k_len / 2 : k_len;
 }
 
+// The workspace of one block of tokens: x rows, then per pair the projected, hidden and down outputs, all
+// in float; with FP8 weights also the activation codes' group scales (x rows', hidden rows') and the codes.
+// With a null base only the size is meaningful.
+struct Workspace {
+  int64_t h_groups = 0, i_groups = 0;
+  bool codes = false;
+  float *x = nullptr, *projected = nullptr, *hidden = nullptr, *down = nullptr;
+  float *x_scales = nullptr, *hidden_scales = nullptr;
+  f8_e4m3 *x_codes = nullptr, *hidden_codes = nullptr;
+  std::size_t bytes = 0;
+
+  Workspace(const ExpertsProblem& p, void* base) {
+    const ExpertsShape s = validate(p);
+    const int64_t H = s.hidden, I = s.intermediate, K = s.top_k;
+    const int64_t N = p.config.has_gate ? 2 * I : I;
+    const int64_t block = std::min(s.tokens, kTokensPerBlock);
+    codes = p.config.quantization.weights == WeightFormat::fp8_e4m3;
+    h_groups = (H + kActivationGroupSize - 1) / kActivationGroupSize;
+    i_groups = (I + kActivationGroupSize - 1) / kActivationGroupSize;
+    auto* f = static_cast<float*>(base);
+    int64_t used = 0;  // floats
+    auto take = [&](int64_t n) {
+      float* at = f ? f + used : nullptr;
+      used += n;
+      return at;
+    };
+    x = take(block * H);
+    projected = take(block * K * N);
+    hidden = take(block * K * I);
+    down = take(block * K * H);
+    if (codes) {
+      x_scales = take(block * h_groups);
+      hidden_scales = take(block * K * i_groups);
+      auto* c = f ? reinterpret_cast<f8_e4m3*>(f + used) : nullptr;
+      x_codes = c;
+      hidden_codes = c ? c + block * H : nullptr;
+    }
+    bytes = static_cast<std::size_t>(used) * sizeof(float) +
+            (codes ? static_cast<std::size_t>(block * H + block * K * I) : 0);
+  }
+};
+
 class BatchedMm final : public PortableBackend {
  public:
   BatchedMm() : PortableBackend(MOEKIT_CUDA_KERNELS(batched_mm)) {}
@@ -42,14 +87,7 @@ class BatchedMm final : public PortableBackend {
   }
 
  protected:
-  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
-    const ExpertsShape s = validate(p);
-    const int64_t n = p.config.has_gate ? 2 * s.intermediate : s.intermediate;
-    const int64_t block = std::min(s.tokens, kTokensPerBlock);
-    // x rows in float, then per pair: projected, hidden and down outputs in float.
-    return static_cast<std::size_t>(block * s.hidden + block * s.top_k * (n + s.intermediate + s.hidden)) *
-           sizeof(float);
-  }
+  std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override { return Workspace(p, nullptr).bytes; }
 
   void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);
@@ -58,10 +96,16 @@ class BatchedMm final : public PortableBackend {
     std::vector<int64_t> expert_of_pair;
     const std::vector<int64_t> pair_row = cpu::pairs_in_token_order(p.top_k_index, layout.experts, expert_of_pair);
     const int64_t block = std::min(T, kTokensPerBlock);
-    float* x = static_cast<float*>(workspace);
-    float* projected = x + block * H;
-    float* hidden = projected + block * K * N;
-    float* down = hidden + block * K * I;
+    const Workspace ws(p, workspace);
+    float* x = ws.x;
+    float* projected = ws.projected;
+    float* hidden = ws.hidden;
+    float* down = ws.down;
+    // The activations' codes and scales of token t / pair q, where the products take them.
+    auto x_codes = [&](int64_t t) { return cpu::QuantizedVector{ws.x_codes + t * H, ws.x_scales + t * ws.h_groups}; };
+    auto hidden_codes = [&](int64_t q) {
+      return cpu::QuantizedVector{ws.hidden_codes + q * I, ws.hidden_scales + q * ws.i_groups};
+    };
 
     visit_float_dtype(p.hidden_states.dtype(), [&](auto tag) {
       using A = typename decltype(tag)::type;
@@ -69,7 +113,12 @@ class BatchedMm final : public PortableBackend {
       for (int64_t t0 = 0; t0 < T; t0 += block) {
         const int64_t tb = std::min(block, T - t0);
         for (int64_t i = 0; i < tb * H; ++i) x[i] = to_float(xs[t0 * H + i]);
-        for (int64_t t = 0; t < tb; ++t) layout.activations.apply(x + t * H, H);
+        for (int64_t t = 0; t < tb; ++t) {
+          if (ws.codes)
+            layout.activations.apply(x + t * H, H, ws.x_codes + t * H, ws.x_scales + t * ws.h_groups);
+          else
+            layout.activations.apply(x + t * H, H);
+        }
         // Pairs of this block routed to a real expert.
         std::vector<int64_t> pairs;
         for (int64_t q = t0 * K; q < (t0 + tb) * K; ++q)
@@ -89,6 +138,10 @@ class BatchedMm final : public PortableBackend {
           const int64_t q = local(i);
           const float* xt = x + (q / K) * H;
           float* y = projected + q * N + n0;
+          if (ws.codes) {
+            cpu::gemv_rows_fp8_codes(layout.up_quantized(expert(i)), n0, 1, x_codes(q / K), y, nn, H);
+            continue;
+          }
           if (layout.quantized) {
             cpu::gemv_rows_quantized(layout.up_quantized(expert(i)), n0, 1, xt, y, nn, H);
             continue;
@@ -107,7 +160,10 @@ class BatchedMm final : public PortableBackend {
           const int64_t gate_stride = layout.is_concatenated ? 1 : 2;
           cpu::apply_activation(p.config, g + layout.gate_column(0), gate_stride, g + layout.up_column(0), gate_stride,
                                 I, hidden + q * I);
-          layout.activations.apply(hidden + q * I, I);
+          if (ws.codes)
+            layout.activations.apply(hidden + q * I, I, ws.hidden_codes + q * I, ws.hidden_scales + q * ws.i_groups);
+          else
+            layout.activations.apply(hidden + q * I, I);
         }
         // Down projection, then bias.
         const int64_t down_tasks = (H + down_rows - 1) / down_rows;
@@ -118,7 +174,10 @@ class BatchedMm final : public PortableBackend {
           const int64_t q = local(i);
           float* y = down + q * H + h0;
           if (layout.quantized) {
-            cpu::gemv_rows_quantized(layout.down_quantized(expert(i)), h0, 1, hidden + q * I, y, hn, I);
+            if (ws.codes)
+              cpu::gemv_rows_fp8_codes(layout.down_quantized(expert(i)), h0, 1, hidden_codes(q), y, hn, I);
+            else
+              cpu::gemv_rows_quantized(layout.down_quantized(expert(i)), h0, 1, hidden + q * I, y, hn, I);
             cpu::add_bias(layout.down_bias, expert(i), h0, hn, y);
             continue;
           }

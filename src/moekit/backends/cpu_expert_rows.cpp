@@ -9,8 +9,8 @@ ActivationQuantization::ActivationQuantization(const ExpertsProblem& p)
     : enabled(p.config.quantization.quantized()),
       power_of_two(enabled && p.gate_up_proj_scale_inv.dtype() == DType::ue8m0) {}
 
-void ActivationQuantization::apply(float* values, int64_t n) const {
-  if (enabled) quantize_activations(values, n, power_of_two, values);
+void ActivationQuantization::apply(float* values, int64_t n, f8_e4m3* codes, float* scales) const {
+  if (enabled) quantize_activations(values, n, power_of_two, values, codes, scales);
 }
 
 ExpertLayout::ExpertLayout(const ExpertsProblem& p) : activations(p) {

@@ -32,8 +32,9 @@ struct ActivationQuantization {
 
   explicit ActivationQuantization(const ExpertsProblem& p);
   // values [0, n) become the values the products use (in place); nothing when not enabled. A group starts
-  // at values[0].
-  void apply(float* values, int64_t n) const;
+  // at values[0]. Where codes (n) and scales (one per group) are given, they receive the e4m3 codes and
+  // group scales as well.
+  void apply(float* values, int64_t n, f8_e4m3* codes = nullptr, float* scales = nullptr) const;
 };
 
 // The layout of a problem's expert weights (DESIGN §2 flags resolved once).

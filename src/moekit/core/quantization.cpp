@@ -256,6 +256,17 @@ inline float round_to_e4m3(float v) {
   return std::copysign(r, v);
 }
 
+// The e4m3 code of a value that is already one (round_to_e4m3's results, NaN included), without branches:
+// normal values rebias the float's exponent and keep its top 3 mantissa bits; below 2^-6 the value is a
+// multiple of 2^-9, so value * 512 is the code.
+inline f8_e4m3 e4m3_code_of(float r) {
+  const float a = std::fabs(r);
+  const uint32_t normal = (std::bit_cast<uint32_t>(a) >> 20) - (120u << 3);
+  uint32_t code = a < 0x1p-6f ? static_cast<uint32_t>(a * 512.0f) : normal;
+  code = a != a ? 0x7fu : code;
+  return f8_e4m3{static_cast<uint8_t>(((std::bit_cast<uint32_t>(r) >> 24) & 0x80u) | code)};
+}
+
 }  // namespace
 
 void quantize_activations(const float* x, int64_t n, bool power_of_two_scales, float* dequantized, f8_e4m3* codes,
@@ -266,9 +277,15 @@ void quantize_activations(const float* x, int64_t n, bool power_of_two_scales, f
     for (int64_t i = g0; i < g1; ++i) amax = std::max(amax, std::fabs(x[i]));
     const float scale = block_scale(amax, kE4m3Max, power_of_two_scales);
     if (scales) scales[g0 / kActivationGroupSize] = scale;
-    if (codes)
-      for (int64_t i = g0; i < g1; ++i) codes[i] = from_float<f8_e4m3>(x[i] / scale);
-    for (int64_t i = g0; i < g1; ++i) dequantized[i] = round_to_e4m3(x[i] / scale) * scale;
+    if (codes) {
+      for (int64_t i = g0; i < g1; ++i) {
+        const float r = round_to_e4m3(x[i] / scale);
+        codes[i] = e4m3_code_of(r);
+        dequantized[i] = r * scale;
+      }
+    } else {
+      for (int64_t i = g0; i < g1; ++i) dequantized[i] = round_to_e4m3(x[i] / scale) * scale;
+    }
   }
 }
 

@@ -5,6 +5,13 @@
 namespace moekit::cpu {
 namespace {
 
+// The code-times-code FP8 kernel needs vdpbf16ps (AVX512-BF16) and vpermi2b (VBMI) on top of AVX-512.
+bool cpu_has_avx512_bf16() {
+  static const bool has =
+      gemv_uses_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+  return has;
+}
+
 // The value of weight (n, k) before its scale.
 float code_value(const QuantizedMatrix& w, int64_t n, int64_t k) {
   const uint8_t* row = w.data + n * w.row_bytes;
@@ -31,7 +38,32 @@ void portable_gemv_rows(const QuantizedMatrix& w, int64_t first_row, int64_t row
   }
 }
 
+// Portable build of gemv_rows_fp8_codes, in the AVX-512 build's grouping.
+void portable_gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step,
+                                  const QuantizedVector& x, float* y, int64_t n_rows, int64_t k_len) {
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const int64_t n = first_row + i * row_step;
+    const uint8_t* row = w.data + n * w.row_bytes;
+    float acc = 0;
+    for (int64_t k0 = 0; k0 < k_len; k0 += 128) {
+      const int64_t k1 = std::min(k_len, k0 + 128);
+      float partial = 0;
+      for (int64_t k = k0; k < k1; ++k) partial += to_float(f8_e4m3{row[k]}) * to_float(x.codes[k]);
+      acc += partial * (w.scale(n, k0) * x.scales[k0 / 128]);
+    }
+    y[i] = acc;
+  }
+}
+
 }  // namespace
+
+void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
+                         float* y, int64_t n_rows, int64_t k_len) {
+  if (cpu_has_avx512_bf16())
+    avx512_bf16::gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
+  else
+    portable_gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
+}
 
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
                          int64_t n_rows, int64_t k_len) {

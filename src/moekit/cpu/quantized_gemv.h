@@ -1,8 +1,9 @@
 // Matrix-vector products over block-quantised weights where they lie (FP8 e4m3 with 128 x 128 block scales,
 // FP4 e2m1 pairs with a ue8m0 scale per 32 values), for the (token, expert) pairs of batched_mm and the
 // decode rows of grouped_mm; and one row dequantised to float, for the backends that pack weights.
-// Kernel layer: raw pointers and sizes. The AVX-512 build (quantized_gemv_avx512.cpp) is chosen at run
-// time like the other gemv kernels.
+// Kernel layer: raw pointers and sizes. The AVX-512 builds (quantized_gemv_avx512.cpp, and
+// quantized_gemv_avx512_bf16.cpp for FP8 times activation codes) are chosen at run time like the other
+// gemv kernels.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,20 @@ struct QuantizedMatrix {
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
                          int64_t n_rows, int64_t k_len);
 
+// One row of activations as quantize_activations leaves them: e4m3 codes [k_len] and one float scale per
+// 128-wide group; value k = e4m3(codes[k]) * scales[k / 128].
+struct QuantizedVector {
+  const f8_e4m3* codes = nullptr;
+  const float* scales = nullptr;
+};
+
+// The same products for FP8 weights and quantised activations, from both sides' codes: per 128-wide block,
+// the sum of W code * x code (every such product is exact in float), times the weight block's scale times the
+// activation group's scale (activation groups and weight K-blocks are both 128 wide). The only rounding is
+// in the float sums and the one product of the two scales. NaN codes read as NaN.
+void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
+                         float* y, int64_t n_rows, int64_t k_len);
+
 // out[k] = W(n, k) for k in [0, k_len): one row dequantised to float.
 void dequantize_row(const QuantizedMatrix& w, int64_t n, float* out, int64_t k_len);
 
@@ -43,5 +58,9 @@ namespace avx512 {
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
                          int64_t n_rows, int64_t k_len);
 }  // namespace avx512
+namespace avx512_bf16 {  // AVX512-BF16 and VBMI
+void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
+                         float* y, int64_t n_rows, int64_t k_len);
+}  // namespace avx512_bf16
 
 }  // namespace moekit::cpu

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "moekit/cpu/avx512_lanes.h"
 #include "moekit/cpu/quantized_gemv.h"
 
 namespace moekit::cpu::avx512 {
@@ -26,27 +27,13 @@ inline __mmask16 tail_mask16(int64_t remaining) {
                           : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
-// The sum of the 16 lanes. _mm512_reduce_add_ps would do, but GCC 12 flags the "undefined" vector its
-// extract (and even its 512-to-256 cast) starts from (-Wuninitialized) once inlined here; the zero-masking
-// extract has none.
-inline float sum_lanes(__m512 v) {
-  const __m512d d = _mm512_castps_pd(v);
-  const auto all = static_cast<__mmask8>(0xff);
-  const __m256 a = _mm256_add_ps(_mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(all, d, 0)),
-                                 _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(all, d, 1)));
-  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  b = _mm_add_ss(b, _mm_movehdup_ps(b));
-  return _mm_cvtss_f32(b);
-}
-
 // 32 e4m3 bytes -> lo (elements 0..15) and hi (16..31) as floats times 2^-8.
 inline void e4m3_to_scaled_floats(__m256i bytes, __m512& lo, __m512& hi) {
   __m512i w = _mm512_cvtepi8_epi16(bytes);  // bits 8..15 are copies of the sign
   w = _mm512_slli_epi16(w, 7);              // magnitude to bits 7..13; sign copies at 14 and 15
   w = _mm512_and_si512(w, _mm512_set1_epi16(static_cast<short>(0xbf80)));  // drop the copy at bit 14
   lo = _mm512_cvtph_ps(_mm512_castsi512_si256(w));
-  // The zero-masking form, for the reason given at sum_lanes.
+  // The zero-masking form, for the reason given at sum_lanes (avx512_lanes.h).
   hi = _mm512_cvtph_ps(_mm512_maskz_extracti64x4_epi64(static_cast<__mmask8>(0xff), w, 1));
 }
 
