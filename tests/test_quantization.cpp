@@ -401,7 +401,11 @@ TEST(QuantizeActivations, PerGroupOf128FromAmax) {
 // gemv_rows_fp8_codes (the build this machine picks) against float64 sums of the decoded codes times both
 // scales: every e4m3 code on both sides, row blocks of 128 with their own scales, K with partial 64- and
 // 128-wide blocks, a row step; a NaN code on either side reads as NaN.
-TEST(QuantizedGemv, Fp8CodesMatchFloat64) {
+// The dispatched kernel (AVX512-BF16 where the CPU has it) and the portable one, which other CPUs run.
+class QuantizedGemvFp8Codes : public ::testing::TestWithParam<bool> {};
+
+TEST_P(QuantizedGemvFp8Codes, MatchFloat64) {
+  const auto gemv = GetParam() ? &cpu::portable::gemv_rows_fp8_codes : &cpu::gemv_rows_fp8_codes;
   std::mt19937 rng(21);
   auto finite_code = [&] {
     uint8_t c;
@@ -437,7 +441,7 @@ TEST(QuantizedGemv, Fp8CodesMatchFloat64) {
       for (int64_t step : {1, 3}) {
         const int64_t first = step == 1 ? 0 : 5, n_rows = (rows - first + step - 1) / step;
         std::vector<float> y(static_cast<std::size_t>(n_rows), std::numeric_limits<float>::quiet_NaN());
-        cpu::gemv_rows_fp8_codes(m, first, step, v, y.data(), n_rows, k_len);
+        gemv(m, first, step, v, y.data(), n_rows, k_len);
         for (int64_t i = 0; i < n_rows; ++i) {
           const int64_t n = first + i * step;
           double ref = 0, magnitude = 0;
@@ -455,13 +459,15 @@ TEST(QuantizedGemv, Fp8CodesMatchFloat64) {
       // NaN codes: in one weight row that row only; in x every row.
       w[static_cast<std::size_t>(7 * k_len + k_len / 2)] = 0xff;
       std::vector<float> y(static_cast<std::size_t>(rows));
-      cpu::gemv_rows_fp8_codes(m, 0, 1, v, y.data(), rows, k_len);
+      gemv(m, 0, 1, v, y.data(), rows, k_len);
       for (int64_t n = 0; n < rows; ++n) EXPECT_EQ(std::isnan(y[static_cast<std::size_t>(n)]), n == 7) << n;
       x[static_cast<std::size_t>(k_len - 1)] = f8_e4m3{0x7f};
-      cpu::gemv_rows_fp8_codes(m, 0, 1, v, y.data(), rows, k_len);
+      gemv(m, 0, 1, v, y.data(), rows, k_len);
       for (int64_t n = 0; n < rows; ++n) EXPECT_TRUE(std::isnan(y[static_cast<std::size_t>(n)])) << n;
     }
 }
+INSTANTIATE_TEST_SUITE_P(Kernels, QuantizedGemvFp8Codes, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "portable" : "dispatched"; });
 
 TEST(QuantizationConfig, NamesAndDefaults) {
   QuantizationConfig c;

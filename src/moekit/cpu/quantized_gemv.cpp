@@ -38,9 +38,11 @@ void portable_gemv_rows(const QuantizedMatrix& w, int64_t first_row, int64_t row
   }
 }
 
+}  // namespace
+
 // Portable build of gemv_rows_fp8_codes, in the AVX-512 build's grouping.
-void portable_gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step,
-                                  const QuantizedVector& x, float* y, int64_t n_rows, int64_t k_len) {
+void portable::gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step,
+                                   const QuantizedVector& x, float* y, int64_t n_rows, int64_t k_len) {
   for (int64_t i = 0; i < n_rows; ++i) {
     const int64_t n = first_row + i * row_step;
     const uint8_t* row = w.data + n * w.row_bytes;
@@ -55,14 +57,12 @@ void portable_gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, i
   }
 }
 
-}  // namespace
-
 void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
                          float* y, int64_t n_rows, int64_t k_len) {
   if (cpu_has_avx512_bf16())
     avx512_bf16::gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
   else
-    portable_gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
+    portable::gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
 }
 
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,

@@ -58,6 +58,10 @@ namespace avx512 {
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
                          int64_t n_rows, int64_t k_len);
 }  // namespace avx512
+namespace portable {  // what gemv_rows_fp8_codes runs on CPUs without AVX512-BF16 and VBMI (tested everywhere)
+void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
+                         float* y, int64_t n_rows, int64_t k_len);
+}  // namespace portable
 namespace avx512_bf16 {  // AVX512-BF16 and VBMI
 void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
                          float* y, int64_t n_rows, int64_t k_len);
