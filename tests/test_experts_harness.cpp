@@ -201,6 +201,11 @@ std::vector<HarnessCase> harness_cases() {
         o.sentinel_fraction = 0.3;
         add("sentinels", o, {0, 13, 23});
         add("decode_many_experts", sized(3, 256, 128, 64, 8, dtype, nc.config));
+        // Rows of whole 16-byte pieces (the shapes batched_mm's FP8 tensor-core path takes) with sentinels,
+        // a token of sentinels only, and a 128-wide group cut short in H and I.
+        o = sized(24, 208, 176, 6, 3, dtype, nc.config);
+        o.sentinel_fraction = 0.3;
+        add("sentinels_rows16", o, {5, 17});
         add("large", sized(300, 264, 136, 16, 4, dtype, nc.config));
       }
 
