@@ -572,8 +572,7 @@ void launch_quantized_format(const ExpertsArgs& a, float* hidden, cudaStream_t s
   const bool vec_up = a.hidden % V == 0 && aligned16(a.up);
   const bool vec_down = a.intermediate % V == 0 && aligned16(a.down) && aligned16(hidden);
   auto* up_kernel = vec_up ? up_rows_quantized_kernel<T, F, true> : up_rows_quantized_kernel<T, F, false>;
-  MOEKIT_CUDA_CHECK(
-      cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
+  allow_dynamic_shared_memory(reinterpret_cast<const void*>(up_kernel), x_bytes);
   constexpr int kUpPerBlock = kWarps * kQuantizedColsPerWarp<F>;
   up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + kUpPerBlock - 1) / kUpPerBlock)),
               kWarps * 32, x_bytes, stream>>>(a, xq, hidden);
@@ -607,8 +606,7 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   if (a.quantized()) return launch_quantized<T>(a, hidden, stream);
   if (a.transposed) {
     auto* up_kernel = up_cols_kernel<T>;
-    MOEKIT_CUDA_CHECK(
-        cudaFuncSetAttribute(up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x_bytes)));
+    allow_dynamic_shared_memory(reinterpret_cast<const void*>(up_kernel), x_bytes);
     up_kernel<<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + 63) / 64)), dim3(64, 4), x_bytes,
                 stream>>>(a, hidden);
     MOEKIT_CUDA_CHECK_LAUNCH();
@@ -627,8 +625,7 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
     up_stream_kernel<T><<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((columns_per_pair + kWarps - 1) / kWarps)),
                           kWarps * 32, 0, stream>>>(a, hidden);
   } else {
-    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(up_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(x_bytes)));
+    allow_dynamic_shared_memory(reinterpret_cast<const void*>(up_rows_kernel<T>), x_bytes);
     up_rows_kernel<T><<<dim3(static_cast<unsigned>(P),
                              static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
                         kWarps * 32, x_bytes, stream>>>(a, hidden);

@@ -10,6 +10,7 @@
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/grouped_gemm.cuh"
+#include "moekit/cuda/tensor_map.h"
 
 namespace moekit::cuda {
 namespace {
@@ -444,8 +445,7 @@ void launch_quantized(const GroupedProblem& g, int64_t max_tiles, cudaStream_t s
   if (K % kValuesPer16Bytes<F> == 0 && aligned16(P == Projection::up ? a.up : a.down)) {
     launched.col_blocks = column_blocks(a, P, kMmaCols);
     auto* kernel = mma_quantized_kernel<T, P, F>;
-    MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(quantized_smem_bytes(F))));
+    allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), quantized_smem_bytes(F));
     kernel<<<grid_blocks(max_tiles, launched.col_blocks), kMmaThreads, quantized_smem_bytes(F), stream>>>(launched);
   } else {
     launched.col_blocks = column_blocks(a, P, kSimtCols);
@@ -470,8 +470,7 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
       GroupedProblem launched = g;
       launched.col_blocks = column_blocks(a, P, kMmaCols);
       auto* kernel = mma_kernel<T, P>;
-      MOEKIT_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMmaSmem)));
+      allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), kMmaSmem);
       kernel<<<grid_blocks(max_tiles, launched.col_blocks), kMmaThreads, kMmaSmem, stream>>>(launched);
       MOEKIT_CUDA_CHECK_LAUNCH();
     }

@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <map>
 #include <mutex>
+#include <utility>
 
 #include "moekit/cuda/cuda_check.h"
 
@@ -89,6 +91,17 @@ int cached_attribute(cudaDeviceAttr attr, std::array<int, 64>& cache, std::mutex
 }
 
 }  // namespace
+
+void allow_dynamic_shared_memory(const void* kernel, std::size_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, std::size_t> granted;  // (device, kernel) -> bytes
+  const int device = current_device();
+  std::lock_guard lock(mutex);
+  std::size_t& given = granted[{device, kernel}];
+  if (bytes <= given) return;
+  MOEKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  given = bytes;
+}
 
 int multiprocessor_count() {
   static std::mutex mutex;

@@ -6,6 +6,7 @@
 #include <cuda.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 
@@ -43,6 +44,12 @@ int once_per_device(std::array<int, 64>& cache, std::mutex& mutex, Query query) 
   if (cache[device] == 0) cache[device] = query() + 1;  // 0 marks "not asked yet"
   return cache[device] - 1;
 }
+
+// Lets `kernel` (a __global__ function) be launched on the current device with up to `bytes` of dynamic
+// shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize). The driver is asked only when the kernel
+// needs more than it was last given on this device: the attribute is an upper bound, and asking on every
+// call costs host time that a decode step's kernels do not take.
+void allow_dynamic_shared_memory(const void* kernel, std::size_t bytes);
 
 // Multiprocessors of the current device (cached per device).
 int multiprocessor_count();
