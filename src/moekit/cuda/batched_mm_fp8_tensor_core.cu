@@ -119,7 +119,7 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
 struct TileRows {
   const uint8_t* lo;
   const uint8_t* hi;
-  int64_t scale_lo, scale_hi;
+  int32_t scale_lo, scale_hi;  // fit: the host checks the scale tensors have fewer than 2^31 entries
 };
 
 // 16 weight bytes, not kept in L1. A load instruction reads 64 bytes of each of 8 rows, and the next
@@ -158,8 +158,8 @@ __device__ __forceinline__ float2 tile_dot(const ExpertsArgs& a, const void* sca
     for (int b = 0; b < kGroupsPerChunk; ++b) {
       const int64_t kb = c0 / kGroup + b;
       const bool in = valid && c0 + b * kGroup < k_end;
-      s_lo[b] = in ? block_scale_at(a, scales, rows.scale_lo + kb) : 0.0f;
-      s_hi[b] = in ? block_scale_at(a, scales, rows.scale_hi + kb) : 0.0f;
+      s_lo[b] = in ? block_scale_at(a, scales, rows.scale_lo + static_cast<int32_t>(kb)) : 0.0f;
+      s_hi[b] = in ? block_scale_at(a, scales, rows.scale_hi + static_cast<int32_t>(kb)) : 0.0f;
     }
     if (c0 == k_begin) wait_for_prerequisite();
 #pragma unroll
@@ -248,7 +248,8 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
   const int64_t j_lo = min(j0 + g, I - 1), j_hi = min(j0 + (a.has_gate ? 0 : 8) + g, I - 1);  // clamped
   const int64_t n_lo = a.has_gate ? gate_col(a, j_lo) : j_lo, n_hi = a.has_gate ? up_col(a, j_lo) : j_hi;
   const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * H;
-  const TileRows rows{w + n_lo * H, w + n_hi * H, Fp8::scale_row(e, n_lo, N, H), Fp8::scale_row(e, n_hi, N, H)};
+  const TileRows rows{w + n_lo * H, w + n_hi * H, static_cast<int32_t>(Fp8::scale_row(e, n_lo, N, H)),
+                      static_cast<int32_t>(Fp8::scale_row(e, n_hi, N, H))};
   const int64_t t = pair / a.top_k;
   int64_t k_begin, k_end;
   split_range(H, split, splits, k_begin, k_end);
@@ -316,7 +317,8 @@ __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const Expe
     const bool valid = e >= 0 && e < a.experts;
     const int64_t ee = valid ? e : 0;
     const uint8_t* w = static_cast<const uint8_t*>(a.down) + ee * H * I;
-    const TileRows rows{w + h_lo * I, w + h_hi * I, Fp8::scale_row(ee, h_lo, H, I), Fp8::scale_row(ee, h_hi, H, I)};
+    const TileRows rows{w + h_lo * I, w + h_hi * I, static_cast<int32_t>(Fp8::scale_row(ee, h_lo, H, I)),
+                        static_cast<int32_t>(Fp8::scale_row(ee, h_hi, H, I))};
     const float2 s = tile_dot(a, a.down_scale, rows, ws.h_codes + pair * I, ws.h_scales + pair * groups_i, k_begin,
                               k_end, valid);
     float* sums = row_sums + (split * K + k) * kTileRows;
@@ -400,6 +402,15 @@ void launch(const ExpertsArgs& a, Workspace ws, cudaStream_t stream) {
 
 }  // namespace
 
+namespace {
+// Entries of the larger block-scale tensor (the kernels index them with 32-bit offsets).
+int64_t scale_entries(const ExpertsArgs& a) {
+  const int64_t N = a.has_gate ? 2 * a.intermediate : a.intermediate;
+  const int64_t h = (a.hidden + kGroup - 1) / kGroup, i = (a.intermediate + kGroup - 1) / kGroup;
+  return a.experts * std::max((N + kGroup - 1) / kGroup * h, h * i);
+}
+}  // namespace
+
 bool batched_mm_fp8_tensor_core_runs(const ExpertsArgs& a) {
   static const bool allowed = [] {
     const char* v = std::getenv("MOEKIT_BATCHED_MM_TENSOR_CORES");
@@ -407,7 +418,7 @@ bool batched_mm_fp8_tensor_core_runs(const ExpertsArgs& a) {
   }();
   return allowed && a.fp8() && !a.transposed && a.hidden % 16 == 0 && a.intermediate % 16 == 0 && aligned16(a.up) &&
          aligned16(a.down) && 2 * a.top_k * kTileRows * sizeof(float) <= 48 * 1024 && a.tokens <= 0x7fffffff &&
-         a.tokens * a.top_k <= 0x7fffffff && device_is_sm90();
+         a.tokens * a.top_k <= 0x7fffffff && scale_entries(a) <= 0x7fffffff && device_is_sm90();
 }
 
 std::size_t batched_mm_fp8_tensor_core_workspace_bytes(const ExpertsArgs& a) {
