@@ -9,6 +9,7 @@
 
 #include "harness.h"
 #include "moekit/backends/quantized_support.h"
+#include "moekit/cuda/fp4_f16_codes.h"
 #include "moekit/experts.h"
 #include "moekit/quantization.h"
 #include "moekit/random_problem.h"
@@ -226,6 +227,56 @@ TEST(BlackwellScales, Ue8m0RequiredOnComputeCapability10Only) {
   }
   for (ComputeCapability cc : {ComputeCapability{9, 0}, ComputeCapability{8, 0}, ComputeCapability{12, 0}})
     EXPECT_TRUE(blackwell_scale_support(f32_scales, cc, "deepgemm_megamoe").ok) << cc.major;
+}
+
+}  // namespace
+}  // namespace moekit
+
+namespace moekit {
+namespace {
+
+// The f16 bit pattern's value (no inf / NaN among the patterns below).
+double f16_value(uint16_t bits) {
+  const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  const double magnitude =
+      exponent == 0 ? std::ldexp(mantissa, -24) : std::ldexp(1024 + mantissa, exponent - 25);
+  return bits & 0x8000 ? -magnitude : magnitude;
+}
+
+// e2m1 code n's value (DESIGN §3): sign, 2 exponent bits, 1 mantissa bit, one subnormal.
+double e2m1_value(uint32_t n) {
+  const uint32_t e = (n >> 1) & 3, m = n & 1;
+  const double magnitude = e == 0 ? 0.5 * m : std::ldexp(1.0 + 0.5 * m, static_cast<int>(e) - 1);
+  return n & 8 ? -magnitude : magnitude;
+}
+
+// The integer conversion the CUDA FP4 tensor-core path uses: every code in every one of the 8 places of a
+// packed word comes out as its value times 2^-14, in the half (low: code j, high: code j + 4) of word j.
+TEST(Fp4AsF16, EveryCodeInEveryPlaceIsItsValueTimesTwoToTheMinus14) {
+  for (int place = 0; place < 8; ++place)
+    for (uint32_t n = 0; n < 16; ++n) {
+      // The other places hold codes that differ from n, so a conversion reading the wrong place is seen.
+      uint32_t word = 0;
+      for (int i = 0; i < 8; ++i) word |= (i == place ? n : (n + 3 + static_cast<uint32_t>(i)) % 16) << (4 * i);
+      const uint32_t pair = cuda::e2m1_pair_as_f16x2(word, place % 4);
+      const auto half = static_cast<uint16_t>(place < 4 ? pair & 0xffffu : pair >> 16);
+      EXPECT_EQ(f16_value(half), std::ldexp(e2m1_value(n), -14)) << "code " << n << " in place " << place;
+    }
+}
+
+TEST(Fp4AsF16, PowersOfTwoAndTheActivationOrder) {
+  for (int e = -30; e <= 15; ++e)
+    EXPECT_EQ(f16_value(cuda::f16_power_of_two(e)), e < -24 ? 0.0 : std::ldexp(1.0, e)) << "2^" << e;
+  // Within each block of 8: values j and j + 4 side by side, a permutation of the block.
+  for (int64_t block = 0; block < 3; ++block) {
+    std::vector<int> seen(8, 0);
+    for (int j = 0; j < 4; ++j) {
+      EXPECT_EQ(cuda::f16_code_position(8 * block + j), 8 * block + 2 * j);
+      EXPECT_EQ(cuda::f16_code_position(8 * block + j + 4), 8 * block + 2 * j + 1);
+    }
+    for (int r = 0; r < 8; ++r) ++seen[static_cast<std::size_t>(cuda::f16_code_position(8 * block + r) - 8 * block)];
+    for (int r = 0; r < 8; ++r) EXPECT_EQ(seen[static_cast<std::size_t>(r)], 1);
+  }
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <cfloat>
 
-#include "moekit/cuda/batched_mm_fp8_tensor_core.h"
+#include "moekit/cuda/batched_mm_quantized_tensor_core.h"
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/device_math.cuh"
 #include "moekit/cuda/quantized_weights.cuh"
@@ -661,13 +661,13 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
 }  // namespace
 
 std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a) {
-  if (batched_mm_fp8_tensor_core_runs(a)) return batched_mm_fp8_tensor_core_workspace_bytes(a);
+  if (batched_mm_quantized_tensor_core_runs(a)) return batched_mm_quantized_tensor_core_workspace_bytes(a);
   const int64_t quantised_x = a.quantized() ? a.tokens * a.hidden : 0;
   return static_cast<std::size_t>(a.tokens * a.top_k * a.intermediate + quantised_x) * sizeof(float);
 }
 
 void batched_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
-  if (batched_mm_fp8_tensor_core_runs(a)) return batched_mm_fp8_tensor_core_forward(a, workspace, stream);
+  if (batched_mm_quantized_tensor_core_runs(a)) return batched_mm_quantized_tensor_core_forward(a, workspace, stream);
   visit_float_dtype(a.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch<T>(a, static_cast<float*>(workspace), stream);

@@ -1,4 +1,6 @@
-// batched_mm with FP8 weights on Hopper: decode's matrix-vector products on the tensor cores.
+// batched_mm with FP8 or FP4 weights on Hopper: decode's matrix-vector products on the tensor cores.
+// FP8 is described here; FP4 (the f16 tensor cores, weights converted by integer arithmetic) differs
+// only in tile_dot<fp4_e2m1> and in storing the activation codes as f16.
 //
 // The matrix-vector kernels of batched_mm.cu convert every e4m3 weight to a float and multiply it by a
 // float activation: for FP8 that is several instructions per weight byte, and they run out of issue
@@ -23,8 +25,9 @@
 //   3. second projection: a block per (token, 16 output columns), a warp per pair, row sums added in
 //      order k with bias and routing weight (deterministic, no atomics on the output).
 // The dependents issue their first round of weight loads before waiting for the kernel before them.
-#include "moekit/cuda/batched_mm_fp8_tensor_core.h"
+#include "moekit/cuda/batched_mm_quantized_tensor_core.h"
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -32,13 +35,13 @@
 #include <cstring>
 
 #include "moekit/cuda/cuda_check.h"
+#include "moekit/cuda/fp4_f16_codes.h"
 #include "moekit/cuda/quantized_weights.cuh"
 #include "moekit/cuda/tensor_map.h"
 
 namespace moekit::cuda {
 namespace {
 
-using Fp8 = QuantizedFormat<WeightFormat::fp8_e4m3>;
 
 constexpr int kTileRows = 16;     // weight rows per warp (the mma's m)
 constexpr int kRoundK = 64;       // k per round: 4 lanes x 16 bytes
@@ -50,9 +53,9 @@ constexpr int kGroup = 128;       // activation group and weight scale block alo
 // The workspace's parts, each 16-byte aligned.
 struct Workspace {
   float* hidden = nullptr;      // [P, I] float, activation applied
-  uint8_t* x_codes = nullptr;   // [T, H] e4m3
+  uint8_t* x_codes = nullptr;   // [T, H] e4m3 (FP4 weights: f16 holding the e4m3 value, f16_code_position order)
   float* x_scales = nullptr;    // [T, ceil(H / 128)]
-  uint8_t* h_codes = nullptr;   // [P, I] e4m3
+  uint8_t* h_codes = nullptr;   // [P, I], as x_codes
   float* h_scales = nullptr;    // [P, ceil(I / 128)]
   int* counters = nullptr;      // [P, ceil(I / 128)]: warps done per group of hidden columns
 };
@@ -66,8 +69,9 @@ std::size_t layout(const ExpertsArgs& a, std::size_t (&offsets)[6]) {
   const auto T = static_cast<std::size_t>(a.tokens), P = T * static_cast<std::size_t>(a.top_k);
   const auto H = static_cast<std::size_t>(a.hidden), I = static_cast<std::size_t>(a.intermediate);
   const std::size_t groups_h = (H + kGroup - 1) / kGroup, groups_i = (I + kGroup - 1) / kGroup;
-  const std::size_t sizes[6] = {P * I * sizeof(float), T * H,         T * groups_h * sizeof(float),
-                                P * I,                 P * groups_i * sizeof(float), P * groups_i * sizeof(int)};
+  const std::size_t code = a.fp4() ? 2 : 1;  // bytes of an activation code
+  const std::size_t sizes[6] = {P * I * sizeof(float), T * H * code, T * groups_h * sizeof(float),
+                                P * I * code,          P * groups_i * sizeof(float), P * groups_i * sizeof(int)};
   std::size_t total = 0;
   for (int i = 0; i < 6; ++i) offsets[i] = total, total += round16(sizes[i]);
   return total;
@@ -114,6 +118,36 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
+// d += A (16 x 16 f16, fragments a0..a3) * B (16 x 8 f16, fragments b0, b1), f32 accumulate.
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// A ue8m0 code's value (block_scale_at's convention).
+__device__ __forceinline__ float ue8m0_value(uint32_t code) {
+  if (code == 0xffu) return __int_as_float(0x7fc00000);
+  return code == 0 ? 0x1p-127f : __uint_as_float(code << 23);
+}
+
+// Writes activation code v (an e4m3 value) as position k of a codes row: a byte for FP8 weights, an f16
+// in f16_code_position order for FP4 weights.
+__device__ __forceinline__ void store_code(uint8_t* row, int64_t k, float v, bool fp4) {
+  if (fp4)
+    reinterpret_cast<__half*>(row)[f16_code_position(k)] = __float2half_rn(v);  // exact: e4m3 values fit
+  else
+    row[k] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
 // The two rows of a lane's tile: weight rows row_lo (tile row g) and row_hi (g + 8) of length K bytes,
 // their scale rows (Fp8::scale_row) in `scales`.
 struct TileRows {
@@ -138,9 +172,16 @@ __device__ __forceinline__ uint4 load_weights(const void* p) {
 // scales, x being e4m3 codes with a scale per 128; lane (g, q) returns rows g and g + 8 of the tile. The
 // first round of weight loads (and their block scales) is issued before wait_for_prerequisite (the
 // activations come from the kernel before). valid = false: nothing is read and (0, 0) comes back.
+template <WeightFormat F>
 __device__ __forceinline__ float2 tile_dot(const ExpertsArgs& a, const void* scales, const TileRows& rows,
                                            const uint8_t* x, const float* x_scales, int64_t k_begin, int64_t k_end,
-                                           bool valid) {
+                                           bool valid);
+
+template <>
+__device__ __forceinline__ float2 tile_dot<WeightFormat::fp8_e4m3>(const ExpertsArgs& a, const void* scales,
+                                                                   const TileRows& rows, const uint8_t* x,
+                                                                   const float* x_scales, int64_t k_begin,
+                                                                   int64_t k_end, bool valid) {
   constexpr int kGroupsPerChunk = kRounds * kRoundK / kGroup;
   const int q = threadIdx.x % 4;
   float sum_lo = 0.0f, sum_hi = 0.0f;
@@ -193,6 +234,81 @@ __device__ __forceinline__ float2 tile_dot(const ExpertsArgs& a, const void* sca
   return make_float2(sum_lo, sum_hi);
 }
 
+// FP4 (e2m1 pairs, a ue8m0 scale per 32 values of a row): the same tile on the f16 tensor cores
+// (mma.sync.m16n8k16). A round is one 128-deep group: lane (g, q) loads the 16 bytes holding values
+// c + 32q .. c + 32q + 31 of rows g and g + 8 (each one scale block), turns each packed word into f16
+// pairs by integer arithmetic (e2m1_pair_as_f16x2: the value times 2^-14) and multiplies them by
+// 2^(s - base + 14), where base is the largest of the row's four scale exponents in the group (the four
+// q lanes), so every converted weight is its e2m1 value times 2^(s - base), exactly (down to 2^-23 below
+// the group's largest scale). The activations are f16 copies of their e4m3 codes, stored in the order
+// that pairs the same values (f16_code_position). After the group's 8 mmas, rows are promoted by
+// 2^(base - 127) times the activation group's scale.
+template <>
+__device__ __forceinline__ float2 tile_dot<WeightFormat::fp4_e2m1>(const ExpertsArgs& a, const void* scales,
+                                                                   const TileRows& rows, const uint8_t* x,
+                                                                   const float* x_scales, int64_t k_begin,
+                                                                   int64_t k_end, bool valid) {
+  (void)a;
+  const int q = threadIdx.x % 4;
+  const auto* scale_codes = static_cast<const uint8_t*>(scales);
+  float sum_lo = 0.0f, sum_hi = 0.0f;
+  for (int64_t c0 = k_begin; c0 < k_end; c0 += kGroup * kRounds) {
+    uint4 w_lo[kRounds], w_hi[kRounds];
+    uint32_t code_lo[kRounds], code_hi[kRounds];
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) {
+      const int64_t k = c0 + r * kGroup + 32 * q;
+      w_lo[r] = w_hi[r] = make_uint4(0, 0, 0, 0);
+      code_lo[r] = code_hi[r] = 0;
+      if (valid && k < k_end) {
+        w_lo[r] = load_weights(rows.lo + k / 2), w_hi[r] = load_weights(rows.hi + k / 2);
+        code_lo[r] = scale_codes[rows.scale_lo + static_cast<int32_t>(k / 32)];
+        code_hi[r] = scale_codes[rows.scale_hi + static_cast<int32_t>(k / 32)];
+      }
+    }
+    if (c0 == k_begin) wait_for_prerequisite();
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) {
+      const int64_t k = c0 + r * kGroup;
+      if (k >= k_end) break;
+      // The row's largest scale exponent over the group's four blocks (lanes q = 0..3 of the row).
+      uint32_t base_lo = max(code_lo[r], __shfl_xor_sync(0xffffffffu, code_lo[r], 1));
+      base_lo = max(base_lo, __shfl_xor_sync(0xffffffffu, base_lo, 2));
+      uint32_t base_hi = max(code_hi[r], __shfl_xor_sync(0xffffffffu, code_hi[r], 1));
+      base_hi = max(base_hi, __shfl_xor_sync(0xffffffffu, base_hi, 2));
+      const uint32_t f_lo = f16_power_of_two(static_cast<int>(code_lo[r]) - static_cast<int>(base_lo) + 14);
+      const uint32_t f_hi = f16_power_of_two(static_cast<int>(code_hi[r]) - static_cast<int>(base_hi) + 14);
+      const uint32_t factor_lo = f_lo | f_lo << 16, factor_hi = f_hi | f_hi << 16;
+      // The group's activation codes for this lane's 32 values (from L1 or L2).
+      uint4 xv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xv[i] = make_uint4(0, 0, 0, 0);
+        if (valid && k + 32 * q < k_end) xv[i] = reinterpret_cast<const uint4*>(x + 2 * (k + 32 * q))[i];
+      }
+      const uint32_t lo_words[4] = {w_lo[r].x, w_lo[r].y, w_lo[r].z, w_lo[r].w};
+      const uint32_t hi_words[4] = {w_hi[r].x, w_hi[r].y, w_hi[r].z, w_hi[r].w};
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t lo[4], hi[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          lo[j] = mul_f16x2(e2m1_pair_as_f16x2(lo_words[i], j), factor_lo);
+          hi[j] = mul_f16x2(e2m1_pair_as_f16x2(hi_words[i], j), factor_hi);
+        }
+        mma_f16(d, lo[0], hi[0], lo[1], hi[1], xv[i].x, xv[i].y);
+        mma_f16(d, lo[2], hi[2], lo[3], hi[3], xv[i].z, xv[i].w);
+      }
+      if (!valid) continue;
+      const float s_x = x_scales[k / kGroup];
+      sum_lo = fmaf(d[0], ue8m0_value(base_lo) * s_x, sum_lo);
+      sum_hi = fmaf(d[2], ue8m0_value(base_hi) * s_x, sum_hi);
+    }
+  }
+  return make_float2(sum_lo, sum_hi);
+}
+
 // Split s of S of k over K (in whole 128-wide groups): [begin, end).
 __device__ __forceinline__ void split_range(int64_t K, int s, int S, int64_t& begin, int64_t& end) {
   const int64_t groups = (K + kGroup - 1) / kGroup;
@@ -223,7 +339,7 @@ __global__ void __launch_bounds__(128) quantize_x_kernel(const ExpertsArgs a, Wo
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t h = g * kGroup + lane + 32 * i;
-    if (h < H) ws.x_codes[t * H + h] = __nv_cvt_float_to_fp8(v[i], __NV_SATFINITE, __NV_E4M3);
+    if (h < H) store_code(ws.x_codes + t * H * (a.fp4() ? 2 : 1), h, v[i], a.fp4());
   }
   if (lane == 0) ws.x_scales[t * groups + g] = scale;
 }
@@ -232,8 +348,10 @@ __global__ void __launch_bounds__(128) quantize_x_kernel(const ExpertsArgs a, Wo
 // gate(j0 + g) and up(j0 + g)) or 16 (ungated: rows j0 + g and j0 + 8 + g), its k split over `splits`
 // warps (1, 2 or 4) whose sums warp 0 of the tile adds in order; then the group counter.
 // grid (P, ceil(tiles * splits / kUpWarps)), block 32 * kUpWarps.
-template <typename T>
+template <typename T, WeightFormat F>
 __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs a, Workspace ws, int splits) {
+  using Q = QuantizedFormat<F>;
+  constexpr int kCodeBytes = F == WeightFormat::fp4_e2m1 ? 2 : 1;
   allow_dependents();
   __shared__ float partial[kUpWarps][kTileRows];
   const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
@@ -247,13 +365,15 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
   const bool active = j0 < I;
   const int64_t j_lo = min(j0 + g, I - 1), j_hi = min(j0 + (a.has_gate ? 0 : 8) + g, I - 1);  // clamped
   const int64_t n_lo = a.has_gate ? gate_col(a, j_lo) : j_lo, n_hi = a.has_gate ? up_col(a, j_lo) : j_hi;
-  const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * H;
-  const TileRows rows{w + n_lo * H, w + n_hi * H, static_cast<int32_t>(Fp8::scale_row(e, n_lo, N, H)),
-                      static_cast<int32_t>(Fp8::scale_row(e, n_hi, N, H))};
+  const int64_t row_bytes = H / Q::kValuesPerByte;
+  const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * row_bytes;
+  const TileRows rows{w + n_lo * row_bytes, w + n_hi * row_bytes, static_cast<int32_t>(Q::scale_row(e, n_lo, N, H)),
+                      static_cast<int32_t>(Q::scale_row(e, n_hi, N, H))};
   const int64_t t = pair / a.top_k;
   int64_t k_begin, k_end;
   split_range(H, split, splits, k_begin, k_end);
-  float2 s = tile_dot(a, a.up_scale, rows, ws.x_codes + t * H, ws.x_scales + t * groups_h, k_begin, k_end, active);
+  float2 s = tile_dot<F>(a, a.up_scale, rows, ws.x_codes + t * H * kCodeBytes, ws.x_scales + t * groups_h, k_begin,
+                         k_end, active);
   if (splits > 1) {
     if (lane % 4 == 0) partial[warp][g] = s.x, partial[warp][8 + g] = s.y;
     __syncthreads();
@@ -293,7 +413,7 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t j = g0 + lane + 32 * i;
-    if (j < I) ws.h_codes[pair * I + j] = __nv_cvt_float_to_fp8(v[i], __NV_SATFINITE, __NV_E4M3);
+    if (j < I) store_code(ws.h_codes + pair * I * (a.fp4() ? 2 : 1), j, v[i], a.fp4());
   }
   if (lane == 0) ws.h_scales[pair * groups_i + group] = scale;
 }
@@ -302,8 +422,10 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
 // Warp w takes pair slot w % slots (pairs slot, slot + slots, ...) and split w / slots of k; sums go to
 // shared memory and one thread per column adds them, splits in order within a pair and pairs in order k.
 // grid (T, ceil(H / 16)), block 32 * slots * splits, shared splits * K * 16 floats.
-template <typename T>
+template <typename T, WeightFormat F>
 __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const ExpertsArgs a, Workspace ws, int splits) {
+  using Q = QuantizedFormat<F>;
+  constexpr int kCodeBytes = F == WeightFormat::fp4_e2m1 ? 2 : 1;
   extern __shared__ float row_sums[];  // [splits][K][16]
   const int64_t H = a.hidden, I = a.intermediate, K = a.top_k, groups_i = (I + kGroup - 1) / kGroup;
   const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
@@ -316,11 +438,12 @@ __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const Expe
     const int64_t pair = t * K + k, e = load_id(a, pair);
     const bool valid = e >= 0 && e < a.experts;
     const int64_t ee = valid ? e : 0;
-    const uint8_t* w = static_cast<const uint8_t*>(a.down) + ee * H * I;
-    const TileRows rows{w + h_lo * I, w + h_hi * I, static_cast<int32_t>(Fp8::scale_row(ee, h_lo, H, I)),
-                        static_cast<int32_t>(Fp8::scale_row(ee, h_hi, H, I))};
-    const float2 s = tile_dot(a, a.down_scale, rows, ws.h_codes + pair * I, ws.h_scales + pair * groups_i, k_begin,
-                              k_end, valid);
+    const int64_t row_bytes = I / Q::kValuesPerByte;
+    const uint8_t* w = static_cast<const uint8_t*>(a.down) + ee * H * row_bytes;
+    const TileRows rows{w + h_lo * row_bytes, w + h_hi * row_bytes, static_cast<int32_t>(Q::scale_row(ee, h_lo, H, I)),
+                        static_cast<int32_t>(Q::scale_row(ee, h_hi, H, I))};
+    const float2 s = tile_dot<F>(a, a.down_scale, rows, ws.h_codes + pair * I * kCodeBytes, ws.h_scales + pair * groups_i,
+                                 k_begin, k_end, valid);
     float* sums = row_sums + (split * K + k) * kTileRows;
     if (lane % 4 == 0) sums[g] = s.x, sums[8 + g] = s.y;
   }
@@ -375,7 +498,7 @@ int choose_splits(int64_t warps, int64_t K) {
   return splits;
 }
 
-template <typename T>
+template <typename T, WeightFormat F>
 void launch(const ExpertsArgs& a, Workspace ws, cudaStream_t stream) {
   const int64_t P = a.tokens * a.top_k, H = a.hidden, I = a.intermediate;
   const int64_t counters = P * ((I + kGroup - 1) / kGroup);
@@ -388,14 +511,14 @@ void launch(const ExpertsArgs& a, Workspace ws, cudaStream_t stream) {
   const int64_t tiles_per_block = kUpWarps / up_splits;
   MOEKIT_CHECK((tiles + tiles_per_block - 1) / tiles_per_block <= 65535, "batched_mm: intermediate size ", I,
                " is too large for one launch");
-  launch_dependent(up_kernel<T>,
+  launch_dependent(up_kernel<T, F>,
                    dim3(static_cast<unsigned>(P), static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block)),
                    dim3(kUpWarps * 32), 0, stream, a, ws, up_splits);
   const int64_t slots = std::min<int64_t>(a.top_k, kDownWarps);
   const int64_t row_tiles = (H + kTileRows - 1) / kTileRows;
   const int down_splits = std::min(choose_splits(a.tokens * row_tiles * slots, I), 2);  // at most 16 warps a block
   MOEKIT_CHECK(row_tiles <= 65535, "batched_mm: hidden size ", H, " is too large for one launch");
-  launch_dependent(down_kernel<T>, dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(row_tiles)),
+  launch_dependent(down_kernel<T, F>, dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(row_tiles)),
                    dim3(static_cast<unsigned>(32 * slots * down_splits)),
                    static_cast<std::size_t>(down_splits * a.top_k) * kTileRows * sizeof(float), stream, a, ws, down_splits);
 }
@@ -406,33 +529,40 @@ namespace {
 // Entries of the larger block-scale tensor (the kernels index them with 32-bit offsets).
 int64_t scale_entries(const ExpertsArgs& a) {
   const int64_t N = a.has_gate ? 2 * a.intermediate : a.intermediate;
+  if (a.fp4()) return a.experts * std::max(N * ((a.hidden + 31) / 32), a.hidden * ((a.intermediate + 31) / 32));
   const int64_t h = (a.hidden + kGroup - 1) / kGroup, i = (a.intermediate + kGroup - 1) / kGroup;
   return a.experts * std::max((N + kGroup - 1) / kGroup * h, h * i);
 }
 }  // namespace
 
-bool batched_mm_fp8_tensor_core_runs(const ExpertsArgs& a) {
+bool batched_mm_quantized_tensor_core_runs(const ExpertsArgs& a) {
   static const bool allowed = [] {
     const char* v = std::getenv("MOEKIT_BATCHED_MM_TENSOR_CORES");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  return allowed && a.fp8() && !a.transposed && a.hidden % 16 == 0 && a.intermediate % 16 == 0 && aligned16(a.up) &&
+  // Whole 16-byte pieces of every weight row: 16 e4m3 codes, 32 e2m1 codes.
+  const int64_t piece = a.fp8() ? 16 : 32;
+  return allowed && a.quantized() && !a.transposed && a.hidden % piece == 0 && a.intermediate % piece == 0 &&
+         aligned16(a.up) &&
          aligned16(a.down) && 2 * a.top_k * kTileRows * sizeof(float) <= 48 * 1024 && a.tokens <= 0x7fffffff &&
          a.tokens * a.top_k <= 0x7fffffff && scale_entries(a) <= 0x7fffffff && device_is_sm90();
 }
 
-std::size_t batched_mm_fp8_tensor_core_workspace_bytes(const ExpertsArgs& a) {
+std::size_t batched_mm_quantized_tensor_core_workspace_bytes(const ExpertsArgs& a) {
   std::size_t offsets[6];
   return layout(a, offsets);
 }
 
-void batched_mm_fp8_tensor_core_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
-  MOEKIT_CHECK(batched_mm_fp8_tensor_core_runs(a), "batched_mm: the FP8 tensor-core path cannot run this problem");
+void batched_mm_quantized_tensor_core_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
+  MOEKIT_CHECK(batched_mm_quantized_tensor_core_runs(a), "batched_mm: the quantised tensor-core path cannot run this problem");
   if (a.tokens * a.top_k == 0) return;
   const Workspace ws = carve(a, workspace);
   visit_float_dtype(a.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch<T>(a, ws, stream);
+    if (a.fp4())
+      launch<T, WeightFormat::fp4_e2m1>(a, ws, stream);
+    else
+      launch<T, WeightFormat::fp8_e4m3>(a, ws, stream);
   });
 }
 
