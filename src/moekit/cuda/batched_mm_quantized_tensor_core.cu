@@ -42,7 +42,6 @@
 namespace moekit::cuda {
 namespace {
 
-
 constexpr int kTileRows = 16;     // weight rows per warp (the mma's m)
 constexpr int kRoundK = 64;       // k per round: 4 lanes x 16 bytes
 constexpr int kRounds = 8;        // rounds of 16-byte loads in flight per lane (2 loads each)
