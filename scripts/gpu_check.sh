@@ -2,9 +2,11 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|gemm|compare|model|sass|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|all]   (default all); results under $OUT if set.
+# decode: batched_mm at 1 and 8 tokens with graphs, bf16 / FP8 / FP4 weights, the quantised ones through the
+# tensor-core path and through the older kernels (MOEKIT_BATCHED_MM_TENSOR_CORES=0), in one lease.
 # gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
-# sass: registers, stack and spills of the Hopper kernels, and their count of HGMMA (wgmma) and of
+# sass: registers, stack and spills of the Hopper kernels (and batched_mm's tensor-core ones), and their count of HGMMA (wgmma) and of
 # local-memory instructions (LDL/STL), from the disassembly (cuobjdump exists on the GPU machine only).
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
@@ -24,6 +26,20 @@ fi
 if [[ $what == bench || $what == all ]]; then
   ./gpu-bundle/moekit bench --device cuda ${BENCH_ARGS:-} --json "$out/bench_cuda.json" --plot "$out/bench_cuda.svg" 2>&1 | tee "$out/bench_cuda.log"
 fi
+if [[ $what == decode || $what == all ]]; then
+  decode() {
+    ./gpu-bundle/moekit bench --device cuda --shape qwen3-30b-a3b,deepseek-v3 --tokens 1,8 --backends batched_mm \
+      --graphs --max-seconds-per-case 0.5 "$@" 2>&1 | grep -E '^(qwen3|deepseek)-.* batched'
+  }
+  for weights in bf16 fp8 fp4; do
+    echo "== $weights"
+    decode --weights "$weights"
+    if [[ $weights != bf16 ]]; then
+      echo "== $weights, older kernels"
+      MOEKIT_BATCHED_MM_TENSOR_CORES=0 decode --weights "$weights"
+    fi
+  done 2>&1 | tee "$out/decode.log"
+fi
 if [[ $what == gemm || $what == all ]]; then
   ./gpu-bundle/moekit bench-gemm --device cuda ${GEMM_ARGS:-} --json "$out/bench_gemm.json" 2>&1 | tee "$out/bench_gemm.log"
 fi
@@ -36,10 +52,10 @@ if [[ $what == model || $what == all ]]; then
     --json "$out/bench_model_cuda.json" 2>&1 | grep -v "Loading weights" | tee "$out/bench_model_cuda.log"
 fi
 if [[ $what == sass || $what == all ]]; then
-  cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 "hopper" | grep -E "Function|REG" |
+  cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 -E "hopper|tensor_core" | grep -E "Function|REG" |
     sed -E 's/^.*Function ([^ ]*):.*/\1/' | tee "$out/hopper_resources.log"
   cuobjdump -sass -arch sm_90a gpu-bundle/moekit 2>/dev/null | awk '
-    /Function :/ { f = ($3 ~ /hopper/) ? $3 : "" }
+    /Function :/ { f = ($3 ~ /hopper|tensor_core/) ? $3 : "" }
     f != "" && /HGMMA/ { h[f]++ } f != "" && /QGMMA/ { q[f]++ } f != "" && /(LDL|STL)/ { l[f]++ }
     f != "" { seen[f] = 1 }
     END { for (k in seen) printf "%s HGMMA=%d QGMMA=%d LDL/STL=%d\n", k, h[k], q[k], l[k] }' |
