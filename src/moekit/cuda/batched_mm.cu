@@ -204,18 +204,7 @@ __global__ void __launch_bounds__(kStreamDownWarps * 32)
     }
   }
   __syncthreads();
-  const int64_t h = h0 + threadIdx.x;
-  if (threadIdx.x >= R || h >= H) return;
-  float out = 0.0f;
-  bool invalid = false;
-  for (int64_t k = 0; k < K; ++k) {  // in order
-    const int64_t pair = t * K + k, e = load_id(a, pair);
-    if (e < 0) invalid = true;
-    if (e < 0 || e >= a.experts) continue;
-    const float bias = a.down_bias ? to_f(static_cast<const T*>(a.down_bias)[e * H + h]) : 0.0f;
-    out = fmaf(load_routing_weight<T>(a, pair), row_sums[k * R + threadIdx.x] + bias, out);
-  }
-  static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out);
+  store_pairs_in_order<T>(a, t, h0, R, row_sums, 1);
 }
 
 // Transposed up [E, H, N]: consecutive threads take consecutive columns (coalesced), four slices of

@@ -155,17 +155,6 @@ struct TileRows {
   int32_t scale_lo, scale_hi;  // fit: the host checks the scale tensors have fewer than 2^31 entries
 };
 
-// 16 weight bytes, not kept in L1. A load instruction reads 64 bytes of each of 8 rows, and the next
-// three rounds read the rest of each row's 256-byte piece: a miss fetches the whole piece into L2, so
-// DRAM serves one long request instead of four short ones (measured: DeepSeek-V3 at 8 tokens 0.79 ->
-// 0.71 ms; docs/benchmarks.md).
-__device__ __forceinline__ uint4 load_weights(const void* p) {
-  uint4 raw;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-               : "l"(p));
-  return raw;
-}
 
 // (row_lo . x, row_hi . x) over k in [k_begin, k_end) (k_begin a multiple of 128), codes times their
 // scales, x being e4m3 codes with a scale per 128; lane (g, q) returns rows g and g + 8 of the tile. The
@@ -190,7 +179,10 @@ __device__ __forceinline__ float2 tile_dot<WeightFormat::fp8_e4m3>(const Experts
     for (int r = 0; r < kRounds; ++r) {
       const int64_t k = c0 + r * kRoundK + 16 * q;
       w_lo[r] = w_hi[r] = make_uint4(0, 0, 0, 0);
-      if (valid && k < k_end) w_lo[r] = load_weights(rows.lo + k), w_hi[r] = load_weights(rows.hi + k);
+      // A load instruction reads 64 bytes of each of 8 rows and the next three rounds the rest of each row's
+      // 256-byte piece: fetching whole pieces into L2 took DeepSeek-V3 at 8 tokens from 0.79 to 0.71 ms.
+      if (valid && k < k_end)
+        w_lo[r] = load_stream_raw<256>(rows.lo + k), w_hi[r] = load_stream_raw<256>(rows.hi + k);
     }
     // The chunk's scales, requested with its weights.
     float s_lo[kGroupsPerChunk], s_hi[kGroupsPerChunk];
@@ -260,7 +252,7 @@ __device__ __forceinline__ float2 tile_dot<WeightFormat::fp4_e2m1>(const Experts
       w_lo[r] = w_hi[r] = make_uint4(0, 0, 0, 0);
       code_lo[r] = code_hi[r] = 0;
       if (valid && k < k_end) {
-        w_lo[r] = load_weights(rows.lo + k / 2), w_hi[r] = load_weights(rows.hi + k / 2);
+        w_lo[r] = load_stream_raw<256>(rows.lo + k / 2), w_hi[r] = load_stream_raw<256>(rows.hi + k / 2);
         code_lo[r] = scale_codes[rows.scale_lo + static_cast<int32_t>(k / 32)];
         code_hi[r] = scale_codes[rows.scale_hi + static_cast<int32_t>(k / 32)];
       }
@@ -448,20 +440,7 @@ __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const Expe
   }
   wait_for_prerequisite();  // every warp, so nothing below runs before the kernels this one follows
   __syncthreads();
-  const int64_t h = h0 + threadIdx.x;
-  if (threadIdx.x >= kTileRows || h >= H) return;
-  float out = 0.0f;
-  bool invalid = false;
-  for (int64_t k = 0; k < K; ++k) {  // in order
-    const int64_t pair = t * K + k, e = load_id(a, pair);
-    if (e < 0) invalid = true;
-    if (e < 0 || e >= a.experts) continue;
-    float v = 0.0f;
-    for (int s = 0; s < splits; ++s) v += row_sums[(s * K + k) * kTileRows + threadIdx.x];
-    const float bias = a.down_bias ? to_f(static_cast<const T*>(a.down_bias)[e * H + h]) : 0.0f;
-    out = fmaf(load_routing_weight<T>(a, pair), v + bias, out);
-  }
-  static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out);
+  store_pairs_in_order<T>(a, t, h0, kTileRows, row_sums, splits);
 }
 
 bool aligned16(const void* p) {

@@ -53,12 +53,21 @@ __device__ __forceinline__ void load_vec(const T* p, float (&v)[kVec<T>]) {
   for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
 }
 
-// Streaming 16-byte load (aligned) for weights read once: does not keep them in L1.
+// Streaming 16-byte load (aligned) for weights read once: does not keep them in L1. kL2Piece = 256: a
+// miss fetches the whole aligned 256-byte piece into L2, for callers whose next loads read the rest of
+// it soon (batched_mm's quantised tensor-core kernels read 64 bytes of a row per load instruction).
+template <int kL2Piece = 0>
 __device__ __forceinline__ uint4 load_stream_raw(const void* p) {
+  static_assert(kL2Piece == 0 || kL2Piece == 256, "L2 piece: 0 (as requested) or 256 bytes");
   uint4 raw;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-               : "l"(p));
+  if constexpr (kL2Piece == 256)
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                 : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                 : "l"(p));
   return raw;
 }
 
@@ -155,6 +164,29 @@ template <typename T>
 __device__ __forceinline__ float load_routing_weight(const ExpertsArgs& a, int64_t i) {
   return a.routing_dtype == DType::f32 ? static_cast<const float*>(a.routing_weights)[i]
                                        : to_f(static_cast<const T*>(a.routing_weights)[i]);
+}
+
+// The end of a second projection whose pairs' row sums are in row_sums [splits][K][rows] (each pair's sum
+// over `splits` slices of k): thread r < rows writes column h0 + r of token t, adding a pair's slices in
+// order and then, in order k, bias plus sum times the pair's routing weight (NaN for a token with an
+// invalid id; sentinels skipped). Deterministic: no atomics.
+template <typename T>
+__device__ __forceinline__ void store_pairs_in_order(const ExpertsArgs& a, int64_t t, int64_t h0, int rows,
+                                                     const float* row_sums, int splits) {
+  const int64_t H = a.hidden, K = a.top_k, h = h0 + threadIdx.x;
+  if (static_cast<int>(threadIdx.x) >= rows || h >= H) return;
+  float out = 0.0f;
+  bool invalid = false;
+  for (int64_t k = 0; k < K; ++k) {  // in order
+    const int64_t pair = t * K + k, e = load_id(a, pair);
+    if (e < 0) invalid = true;
+    if (e < 0 || e >= a.experts) continue;
+    float v = row_sums[k * rows + threadIdx.x];
+    for (int s = 1; s < splits; ++s) v += row_sums[(s * K + k) * rows + threadIdx.x];
+    const float bias = a.down_bias ? to_f(static_cast<const T*>(a.down_bias)[e * H + h]) : 0.0f;
+    out = fmaf(load_routing_weight<T>(a, pair), v + bias, out);
+  }
+  static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out);
 }
 
 }  // namespace moekit::cuda
