@@ -49,6 +49,11 @@ constexpr int kUpWarps = 4;       // tiles per block of the first projection
 constexpr int kDownWarps = 8;     // pairs at once per block of the second projection
 constexpr int kGroup = 128;       // activation group and weight scale block along k
 
+// Bytes of an activation code: an e4m3 byte beside FP8 weights, an f16 beside FP4 ones (store_code).
+MOEKIT_HOST_DEVICE constexpr int code_bytes(bool fp4) {
+  return fp4 ? 2 : 1;
+}
+
 // The workspace's parts, each 16-byte aligned.
 struct Workspace {
   float* hidden = nullptr;      // [P, I] float, activation applied
@@ -68,7 +73,7 @@ std::size_t layout(const ExpertsArgs& a, std::size_t (&offsets)[6]) {
   const auto T = static_cast<std::size_t>(a.tokens), P = T * static_cast<std::size_t>(a.top_k);
   const auto H = static_cast<std::size_t>(a.hidden), I = static_cast<std::size_t>(a.intermediate);
   const std::size_t groups_h = (H + kGroup - 1) / kGroup, groups_i = (I + kGroup - 1) / kGroup;
-  const std::size_t code = a.fp4() ? 2 : 1;  // bytes of an activation code
+  const std::size_t code = code_bytes(a.fp4());
   const std::size_t sizes[6] = {P * I * sizeof(float), T * H * code, T * groups_h * sizeof(float),
                                 P * I * code,          P * groups_i * sizeof(float), P * groups_i * sizeof(int)};
   std::size_t total = 0;
@@ -307,6 +312,21 @@ __device__ __forceinline__ void split_range(int64_t K, int s, int S, int64_t& be
   end = min(K, groups * (s + 1) / S * kGroup);
 }
 
+// Quantises one 128-wide group of a row held 4 values a lane (value lane + 32i at g0 + lane + 32i; pass 0
+// past the row's n values) as quantize_activations does, and stores its codes into the row's codes
+// (store_code) and its scale.
+__device__ __forceinline__ void quantize_group_into(const ExpertsArgs& a, float (&v)[4], uint8_t* codes_row,
+                                                    int64_t g0, int64_t n, float* scale) {
+  const int lane = threadIdx.x % 32;
+  const float s = quantize_group_lanes(v, a.ue8m0_scales);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t k = g0 + lane + 32 * i;
+    if (k < n) store_code(codes_row, k, v[i], a.fp4());
+  }
+  if (lane == 0) *scale = s;
+}
+
 // 1. x [T, H] -> e4m3 codes and a scale per 128 (quantize_activations' rounding); zeroes the counters.
 // grid (T, ceil(groups / 4)), block 128: a warp per group.
 template <typename T>
@@ -326,13 +346,7 @@ __global__ void __launch_bounds__(128) quantize_x_kernel(const ExpertsArgs a, Wo
     const int64_t h = g * kGroup + lane + 32 * i;
     v[i] = h < H ? to_f(row[h]) : 0.0f;
   }
-  const float scale = quantize_group_lanes(v, a.ue8m0_scales);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t h = g * kGroup + lane + 32 * i;
-    if (h < H) store_code(ws.x_codes + t * H * (a.fp4() ? 2 : 1), h, v[i], a.fp4());
-  }
-  if (lane == 0) ws.x_scales[t * groups + g] = scale;
+  quantize_group_into(a, v, ws.x_codes + t * H * code_bytes(a.fp4()), g * kGroup, H, ws.x_scales + t * groups + g);
 }
 
 // 2. hidden[pair, j] = act(gate_j . x + b, up_j . x + b) for a tile: 8 columns j0.. (gated: rows
@@ -342,7 +356,7 @@ __global__ void __launch_bounds__(128) quantize_x_kernel(const ExpertsArgs a, Wo
 template <typename T, WeightFormat F>
 __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs a, Workspace ws, int splits) {
   using Q = QuantizedFormat<F>;
-  constexpr int kCodeBytes = F == WeightFormat::fp4_e2m1 ? 2 : 1;
+  constexpr int kCodeBytes = code_bytes(F == WeightFormat::fp4_e2m1);
   allow_dependents();
   __shared__ float partial[kUpWarps][kTileRows];
   const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
@@ -400,13 +414,7 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
     const int64_t j = g0 + lane + 32 * i;
     v[i] = j < I ? __ldcg(out + j) : 0.0f;
   }
-  const float scale = quantize_group_lanes(v, a.ue8m0_scales);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int64_t j = g0 + lane + 32 * i;
-    if (j < I) store_code(ws.h_codes + pair * I * (a.fp4() ? 2 : 1), j, v[i], a.fp4());
-  }
-  if (lane == 0) ws.h_scales[pair * groups_i + group] = scale;
+  quantize_group_into(a, v, ws.h_codes + pair * I * code_bytes(a.fp4()), g0, I, ws.h_scales + pair * groups_i + group);
 }
 
 // 3. out[t, h] = sum_k w[t, k] * (down_e[h] . hq[t * K + k] + b2[e, h]) for 16 columns h0.. of token t.
@@ -416,7 +424,7 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
 template <typename T, WeightFormat F>
 __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const ExpertsArgs a, Workspace ws, int splits) {
   using Q = QuantizedFormat<F>;
-  constexpr int kCodeBytes = F == WeightFormat::fp4_e2m1 ? 2 : 1;
+  constexpr int kCodeBytes = code_bytes(F == WeightFormat::fp4_e2m1);
   extern __shared__ float row_sums[];  // [splits][K][16]
   const int64_t H = a.hidden, I = a.intermediate, K = a.top_k, groups_i = (I + kGroup - 1) / kGroup;
   const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
