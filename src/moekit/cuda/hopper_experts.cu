@@ -60,8 +60,9 @@ enum class Variant : uint8_t { deepgemm, sonicmoe };
 
 struct Layout {
   // rows: the placed token rows (deepgemm; e4m3 with FP8), row_scales: their FP8 scales [H / 128, M];
-  // hidden: the intermediate (T, or float with FP8); hidden_q / hidden_scales: its e4m3 copy (FP8).
-  std::size_t pair_row, padded_pair, rows, row_scales, hidden, hidden_q, hidden_scales, y, total;
+  // hidden: the intermediate (T, or float with FP8); hidden_q / hidden_scales: its e4m3 copy (FP8);
+  // x_q / x_scales: each token's hidden state quantised once (FP8 deepgemm), [T, H] and [H / 128, T].
+  std::size_t pair_row, padded_pair, rows, row_scales, hidden, hidden_q, hidden_scales, y, x_q, x_scales, total;
 };
 
 Layout layout(const ExpertsArgs& a, Variant v) {
@@ -78,7 +79,11 @@ Layout layout(const ExpertsArgs& a, Variant v) {
   l.hidden_q = l.hidden + align256(M * I * (a.fp8() ? 4 : e));
   l.hidden_scales = l.hidden_q + (a.fp8() ? align256(M * I) : 0);
   l.y = l.hidden_scales + (a.fp8() ? align256((I / 128) * M * 4) : 0);
-  l.total = l.y + align256(M * H * e);
+  const auto T = static_cast<std::size_t>(a.tokens);
+  const bool quantized_rows = a.fp8() && v == Variant::deepgemm;
+  l.x_q = l.y + align256(M * H * e);
+  l.x_scales = l.x_q + (quantized_rows ? align256(T * H) : 0);
+  l.total = l.x_scales + (quantized_rows ? align256((H / 128) * T * 4) : 0);
   return l;
 }
 
@@ -98,14 +103,27 @@ __device__ __forceinline__ void quantize_group(const S* v, bool power_of_two, ui
   if (lane == 0) *scale = s;
 }
 
+// FP8 (deepgemm): each token's hidden state quantised once, one warp per 128-wide group, into codes
+// [T, H] and scales [H / 128, T]; place_rows_kernel then copies them to the token's padded rows.
+template <typename S>
+__global__ void quantize_tokens_kernel(const ExpertsArgs a, uint8_t* q, float* scales) {
+  const int64_t groups = a.hidden / 128, total = a.tokens * groups;
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  for (int64_t i = int64_t{blockIdx.x} * warps + threadIdx.x / 32; i < total; i += int64_t{gridDim.x} * warps) {
+    const int64_t token = i / groups, g = i % groups;
+    quantize_group(static_cast<const S*>(a.x) + token * a.hidden + g * 128, a.ue8m0_scales, q + token * a.hidden + g * 128,
+                   scales + g * a.tokens + token, lane);
+  }
+}
+
 // One block per sorted row: records the pair's padded row (and the padded row's pair). deepgemm also
-// copies the token's hidden state into its padded row (bf16/f16: 16 bytes a thread), or quantises it
-// there (FP8: one warp per 128-wide group, scales K-block-major [H / 128, M]).
+// copies the token's row into its padded row, 16 bytes a thread: the hidden state (bf16/f16), or with
+// FP8 its codes from quantize_tokens_kernel and their scales (K-block-major, [H / 128, M]).
 __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row,
-                                  int32_t* padded_pair, void* rows, float* row_scales, int64_t M) {
+                                  int32_t* padded_pair, void* rows, float* row_scales, const uint8_t* x_q,
+                                  const float* x_scales, int64_t M) {
   const int64_t P = a.tokens * a.top_k;
   const int32_t valid = r.offsets[a.experts];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int64_t row = blockIdx.x; row < P; row += gridDim.x) {
     const int32_t pair = r.row_pair[row];
     if (row >= valid) {  // a sentinel or invalid id: no row, nothing to add
@@ -120,22 +138,14 @@ __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, in
     }
     if (!rows) continue;
     const int64_t token = pair / a.top_k;
-    if (a.fp8()) {
-      auto* q = static_cast<uint8_t*>(rows) + padded * a.hidden;
-      for (int64_t g = warp; g < a.hidden / 128; g += blockDim.x / 32) {
-        if (a.dtype == DType::bf16)
-          quantize_group(static_cast<const bf16*>(a.x) + token * a.hidden + g * 128, a.ue8m0_scales, q + g * 128,
-                         row_scales + g * M + padded, lane);
-        else
-          quantize_group(static_cast<const f16*>(a.x) + token * a.hidden + g * 128, a.ue8m0_scales, q + g * 128,
-                         row_scales + g * M + padded, lane);
-      }
-      continue;
-    }
-    const int64_t vectors = a.hidden / 8;  // 2-byte elements, H a multiple of 8
-    const auto* src = static_cast<const uint4*>(a.x) + token * vectors;
-    uint4* dst = static_cast<uint4*>(rows) + padded * vectors;
-    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) dst[v] = __ldg(src + v);
+    const int64_t row_bytes = a.fp8() ? a.hidden : a.hidden * 2;  // H a multiple of 128 (FP8) or of 8
+    const auto* src = reinterpret_cast<const uint4*>(a.fp8() ? x_q + token * a.hidden
+                                                             : static_cast<const uint8_t*>(a.x) + token * row_bytes);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint8_t*>(rows) + padded * row_bytes);
+    for (int64_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) dst[v] = __ldg(src + v);
+    if (a.fp8())
+      for (int64_t g = threadIdx.x; g < a.hidden / 128; g += blockDim.x)
+        row_scales[g * M + padded] = x_scales[g * a.tokens + token];
   }
 }
 
@@ -312,8 +322,16 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
   void* y = base + l.y;
   if (P > 0) {
     MOEKIT_CUDA_CHECK(cudaMemsetAsync(padded_pair, 0xFF, static_cast<std::size_t>(M) * 4, stream));  // -1: padding
+    auto* x_q = reinterpret_cast<uint8_t*>(base + l.x_q);
+    auto* x_scales = reinterpret_cast<float*>(base + l.x_scales);
+    if (kFp8 && rows) {
+      const int64_t warps = a.tokens * (a.hidden / 128);
+      quantize_tokens_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((warps + 7) / 8, 65535)), 256, 0, stream>>>(
+          a, x_q, x_scales);
+      MOEKIT_CUDA_CHECK_LAUNCH();
+    }
     place_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 128, 0, stream>>>(
-        a, r, pair_padded_row, padded_pair, rows, row_scales, M);
+        a, r, pair_padded_row, padded_pair, rows, row_scales, x_q, x_scales, M);
     MOEKIT_CUDA_CHECK_LAUNCH();
 
     const GemmProjection up{.rows = rows,
