@@ -205,9 +205,23 @@ __device__ __forceinline__ void store_group_pair(O* out, int64_t ld, int64_t row
     *reinterpret_cast<uint4*>(out + row * ld + col) = make_uint4(mine[0], mine[1], mine[2], mine[3]);
 }
 
+// The routing weights of this thread's two rows of a tile (store_rows with weight_rows; 1 otherwise),
+// read when the tile starts so that the epilogue does not wait for them.
+template <typename T, Epilogue kEpi>
+__device__ __forceinline__ void row_weights(const GemmParams& p, int64_t m_tile, int math, float (&weight)[2]) {
+  weight[0] = weight[1] = 1.0f;
+  if (kEpi != Epilogue::store_rows || !p.weight_rows) return;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int32_t pair = p.padded_pair[m_tile * kBlockM + math * 64 + acc_row(warp, lane, 2 * h)];
+    weight[h] = pair >= 0 ? load_routing_weight<T>(p.a, pair) : 0.0f;
+  }
+}
+
 template <typename T, typename O, int BN, Epilogue kEpi>
-__device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, int64_t expert, int64_t m_tile,
-                                               int n_block, int math) {
+__device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, const float (&weight)[2],
+                                               int64_t expert, int64_t m_tile, int n_block, int math) {
   const ExpertsArgs& a = p.a;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int64_t row_base = m_tile * kBlockM + math * 64;
@@ -241,15 +255,6 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
   } else {
     const int64_t N = kEpi == Epilogue::activation ? a.intermediate : a.hidden;
     const int64_t col_base = int64_t{n_block} * BN;
-    // The routing weights of this thread's two rows (store_rows with weight_rows only).
-    float weight[2] = {1.0f, 1.0f};
-    if (kEpi == Epilogue::store_rows && p.weight_rows) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int32_t pair = p.padded_pair[row_base + acc_row(warp, lane, 2 * h)];
-        weight[h] = pair >= 0 ? load_routing_weight<T>(a, pair) : 0.0f;
-      }
-    }
     const T* bias = nullptr;
     if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias) + expert * N;
     if (kEpi == Epilogue::store_rows && a.down_bias) bias = static_cast<const T*>(a.down_bias) + expert * N;
@@ -327,24 +332,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t m_tiles = p.tile_offsets[experts];
   const int64_t units = (m_tiles + kCluster - 1) / kCluster * p.n_blocks;
   const int64_t first_unit = blockIdx.x / kCluster, unit_step = gridDim.x / kCluster;
-  // This block's row tile and expert in a unit, and whether the pair shares its weight tile.
+  // This block's row tile and expert in a unit, and whether the pair shares its weight tile. A block
+  // walks its units in order, so the row tiles only grow: `hint`, the expert of the pair's first tile
+  // last time, makes the lookup one or two loads.
   struct Tile {
     int64_t m_tile;
     int n_block;
     int expert;
     bool valid, multicast;
   };
-  auto tile_of = [&](int64_t unit) {
+  auto tile_of = [&](int64_t unit, int64_t& hint) {
     Tile t;
     const int64_t pair = unit / p.n_blocks;
     t.n_block = static_cast<int>(unit % p.n_blocks);
     t.m_tile = pair * kCluster + rank;
     t.valid = t.m_tile < m_tiles;
-    t.expert = t.valid ? static_cast<int>(expert_of(p.tile_offsets, experts, t.m_tile)) : 0;
+    t.expert = 0;
     t.multicast = false;
-    if constexpr (kCluster > 1) {
-      const int64_t peer = pair * kCluster + (rank ^ 1);
-      t.multicast = t.valid && peer < m_tiles && expert_of(p.tile_offsets, experts, peer) == t.expert;
+    if (pair * kCluster < m_tiles) {
+      const int64_t first = expert_of_from(p.tile_offsets, experts, pair * kCluster, hint);
+      hint = first;
+      if constexpr (kCluster > 1) {
+        const int64_t second = pair * kCluster + 1 < m_tiles
+                                   ? expert_of_from(p.tile_offsets, experts, pair * kCluster + 1, first)
+                                   : -1;
+        t.expert = static_cast<int>(rank == 0 ? first : second >= 0 ? second : 0);
+        t.multicast = second == first;
+      } else {
+        t.expert = static_cast<int>(first);
+      }
     }
     return t;
   };
@@ -363,8 +379,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int chunk = threadIdx.x % 8, first_row = threadIdx.x / 8;
       int stage = 0;
       uint32_t phase = 0;
+      int64_t hint = 0;
       for (int64_t unit = first_unit; unit < units; unit += unit_step) {
-        const Tile t = tile_of(unit);
+        const Tile t = tile_of(unit, hint);
         int32_t token[kGatherA ? 8 : 1];
         if constexpr (kGatherA) {
 #pragma unroll
@@ -444,8 +461,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         Barrier::arrive(&empty[s]);
       }
     };
+    int64_t hint = 0;
     for (int64_t unit = first_unit; unit < units; unit += unit_step) {
-      const Tile t = tile_of(unit);
+      const Tile t = tile_of(unit, hint);
+      float weight[2] = {1.0f, 1.0f};
+      if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
       // FP8: where the block scales of the tile's two weight halves start (their 128-row blocks).
       const void* scale_base[2] = {nullptr, nullptr};
       if constexpr (kFp8) {
@@ -510,7 +530,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
         if (previous >= 0) release(previous);
       }
-      if (t.valid) store_epilogue<T, Out, BN, kEpi>(p, acc, t.expert, t.m_tile, t.n_block, math);
+      if (t.valid) store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.m_tile, t.n_block, math);
     }
   }
   if constexpr (kCluster > 1) cute::cluster_sync();  // no block leaves while its peer may still signal it
