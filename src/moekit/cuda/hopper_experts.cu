@@ -8,8 +8,8 @@
 //             rows straight into shared memory; the second projection's epilogue applies the routing
 //             weight; the combine adds the k rows of each token in order.
 // deepgemm also runs FP8 e4m3 weights with 128 x 128 block scales (f32 or ue8m0) when H and I are
-// multiples of 128: the token rows are quantised per 1 x 128 group while they are placed (the scales
-// stored K-block-major, [H / 128, rows], for the copy engine), the first GEMM writes the activated
+// multiples of 128: each token's row is quantised once per 1 x 128 group, and its codes and scales are
+// copied to its padded rows (the scales stored K-block-major, [H / 128, rows], for the copy engine), the first GEMM writes the activated
 // intermediate in float, a pass quantises it the same way, and the second GEMM reads it in e4m3;
 // the GEMMs take 128-wide weight tiles and apply the scales per 128-deep block.
 // The combine is grouped_mm's (pairs added in k order, in float), so results are deterministic.
