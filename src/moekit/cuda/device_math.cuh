@@ -117,12 +117,16 @@ __device__ __forceinline__ float sigmoid(float x) {
   return 1.0f / (1.0f + __expf(-x));
 }
 
+__device__ __forceinline__ float silu(float g) {
+  return g * sigmoid(g);
+}
+
 // act(gate) * up for gated experts, act(gate) alone otherwise; the GPT-OSS clamped SwiGLU uses both.
 __device__ __forceinline__ float activate(const ExpertsArgs& a, float g, float u) {
   float h;
   switch (a.act) {
     case Act::silu:
-      h = g * sigmoid(g);
+      h = silu(g);
       break;
     case Act::gelu:
       h = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));

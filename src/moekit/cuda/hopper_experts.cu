@@ -103,22 +103,36 @@ __device__ __forceinline__ void quantize_group(const S* v, bool power_of_two, ui
   if (lane == 0) *scale = s;
 }
 
-// FP8 (deepgemm): each token's hidden state quantised once, one warp per 128-wide group, into codes
-// [T, H] and scales [H / 128, T]; place_rows_kernel then copies them to the token's padded rows.
+// FP8: rows [rows, width] (the token rows in bf16/f16, or the first GEMM's float intermediate)
+// quantised per 128-wide group as quantize_activations does, one warp per group: codes [rows, width],
+// scales K-block-major [width / 128, scale_rows]. With tile_offsets, `rows` is a host-known bound and
+// only the rows of the tiles that exist are quantised (padding rows too, harmlessly).
 template <typename S>
-__global__ void quantize_tokens_kernel(const ExpertsArgs a, uint8_t* q, float* scales) {
-  const int64_t groups = a.hidden / 128, total = a.tokens * groups;
+__global__ void quantize_rows_kernel(const S* v, int64_t width, int64_t rows, const int32_t* tile_offsets,
+                                     int64_t experts, bool power_of_two, uint8_t* q, float* scales,
+                                     int64_t scale_rows) {
+  if (tile_offsets) rows = min(rows, int64_t{tile_offsets[experts]} * kBlockM);
+  const int64_t groups = width / 128, total = rows * groups;
   const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
   for (int64_t i = int64_t{blockIdx.x} * warps + threadIdx.x / 32; i < total; i += int64_t{gridDim.x} * warps) {
-    const int64_t token = i / groups, g = i % groups;
-    quantize_group(static_cast<const S*>(a.x) + token * a.hidden + g * 128, a.ue8m0_scales, q + token * a.hidden + g * 128,
-                   scales + g * a.tokens + token, lane);
+    const int64_t row = i / groups, g = i % groups;
+    quantize_group(v + row * width + g * 128, power_of_two, q + row * width + g * 128, scales + g * scale_rows + row,
+                   lane);
   }
+}
+
+template <typename S>
+void quantize_rows(const S* v, int64_t width, int64_t rows, const int32_t* tile_offsets, int64_t experts,
+                   bool power_of_two, uint8_t* q, float* scales, int64_t scale_rows, cudaStream_t stream) {
+  const int64_t warps = std::max<int64_t>(1, rows * (width / 128));
+  quantize_rows_kernel<S><<<static_cast<unsigned>(std::min<int64_t>((warps + 7) / 8, 65535)), 256, 0, stream>>>(
+      v, width, rows, tile_offsets, experts, power_of_two, q, scales, scale_rows);
+  MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
 // One block per sorted row: records the pair's padded row (and the padded row's pair). deepgemm also
 // copies the token's row into its padded row, 16 bytes a thread: the hidden state (bf16/f16), or with
-// FP8 its codes from quantize_tokens_kernel and their scales (K-block-major, [H / 128, M]).
+// FP8 its codes (each token quantised once by quantize_rows) and their scales (K-block-major, [H / 128, M]).
 __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row,
                                   int32_t* padded_pair, void* rows, float* row_scales, const uint8_t* x_q,
                                   const float* x_scales, int64_t M) {
@@ -147,18 +161,6 @@ __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, in
       for (int64_t g = threadIdx.x; g < a.hidden / 128; g += blockDim.x)
         row_scales[g * M + padded] = x_scales[g * a.tokens + token];
   }
-}
-
-// FP8: the float intermediate [M, I] of the first GEMM quantised per 128-wide group (the rows of
-// tiles that exist; padding rows too, harmlessly), scales [I / 128, M].
-__global__ void quantize_hidden_kernel(const ExpertsArgs a, const int32_t* tile_offsets, const float* hidden,
-                                       uint8_t* q, float* scales, int64_t M) {
-  const int64_t rows = int64_t{tile_offsets[a.experts]} * kBlockM;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
-    for (int64_t g = warp; g < a.intermediate / 128; g += blockDim.x / 32)
-      quantize_group(hidden + row * a.intermediate + g * 128, a.ue8m0_scales, q + row * a.intermediate + g * 128,
-                     scales + g * M + row, lane);
 }
 
 bool use_clusters() {
@@ -324,12 +326,9 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
     MOEKIT_CUDA_CHECK(cudaMemsetAsync(padded_pair, 0xFF, static_cast<std::size_t>(M) * 4, stream));  // -1: padding
     auto* x_q = reinterpret_cast<uint8_t*>(base + l.x_q);
     auto* x_scales = reinterpret_cast<float*>(base + l.x_scales);
-    if (kFp8 && rows) {
-      const int64_t warps = a.tokens * (a.hidden / 128);
-      quantize_tokens_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((warps + 7) / 8, 65535)), 256, 0, stream>>>(
-          a, x_q, x_scales);
-      MOEKIT_CUDA_CHECK_LAUNCH();
-    }
+    if (kFp8 && rows)  // each token once: place_rows_kernel copies its codes to its padded rows
+      quantize_rows(static_cast<const T*>(a.x), a.hidden, a.tokens, nullptr, 0, a.ue8m0_scales, x_q, x_scales, a.tokens,
+                    stream);
     place_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 128, 0, stream>>>(
         a, r, pair_padded_row, padded_pair, rows, row_scales, x_q, x_scales, M);
     MOEKIT_CUDA_CHECK_LAUNCH();
@@ -357,9 +356,8 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
     const void* down_rows = hidden;
     const float* down_scales = nullptr;
     if constexpr (kFp8) {
-      quantize_hidden_kernel<<<static_cast<unsigned>(std::min<int64_t>(M, 65535)), 128, 0, stream>>>(
-          a, r.tile_offsets, static_cast<const float*>(hidden), hidden_q, hidden_scales, M);
-      MOEKIT_CUDA_CHECK_LAUNCH();
+      quantize_rows(static_cast<const float*>(hidden), a.intermediate, M, r.tile_offsets, a.experts, a.ue8m0_scales,
+                    hidden_q, hidden_scales, M, stream);
       down_rows = hidden_q;
       down_scales = hidden_scales;
     }

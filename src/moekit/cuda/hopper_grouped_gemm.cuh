@@ -231,7 +231,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     const int64_t N = 2 * a.intermediate;
     const int64_t col_base = int64_t{n_block} * (BN / 2);
     const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * N : nullptr;
-    const bool silu = a.act == Act::silu;
+    const bool is_silu = a.act == Act::silu;
 #pragma unroll
     for (int m = 0; m < kHalf / 8; ++m) {
       uint32_t words[4];
@@ -244,8 +244,8 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
           g0 += to_f(bias[gate_col(a, j)]), g1 += to_f(bias[gate_col(a, j + 1)]);
           u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
         }
-        // SiLU, the common case, inline (the same arithmetic as activate); the others through the call.
-        const float2 h = silu ? make_float2(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1)
+        // SiLU, the common case, inline (activate's arithmetic); the others through the call.
+        const float2 h = is_silu ? make_float2(silu(g0) * u0, silu(g1) * u1)
                               : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
         if constexpr (kPacked)
           words[k] = pack2<O>(h.x, h.y);
