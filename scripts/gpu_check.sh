@@ -2,12 +2,15 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|all]   (default all); results under $OUT if set.
 # decode: batched_mm at 1 and 8 tokens with graphs, bf16 / FP8 / FP4 weights, the quantised ones through the
 # tensor-core path and through the older kernels (MOEKIT_BATCHED_MM_TENSOR_CORES=0), in one lease.
 # gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
 # sass: registers, stack and spills of the Hopper kernels (and batched_mm's tensor-core ones), and their count of HGMMA (wgmma) and of
 # local-memory instructions (LDL/STL), from the disassembly (cuobjdump exists on the GPU machine only).
+# ncu: each kernel's GPU time in one call of each case of NCU_CASES (';'-separated `moekit bench` arguments,
+# one backend and one token count each), from Nsight Compute with the clocks left alone; kernels run one
+# at a time under ncu, so programmatic-launch overlap is not in these numbers.
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -50,6 +53,27 @@ if [[ $what == model || $what == all ]]; then
   ./gpu-bundle/moekit generate --device cuda --max-new-tokens 16 --ignore-eos 2>&1 | tee "$out/generate_cuda.log"
   PYTHONUNBUFFERED=1 python3 scripts/bench_model.py --moekit ./gpu-bundle/moekit --device cuda ${MODEL_ARGS:-} \
     --json "$out/bench_model_cuda.json" 2>&1 | grep -v "Loading weights" | tee "$out/bench_model_cuda.log"
+fi
+if [[ $what == ncu ]]; then
+  IFS=';' read -ra cases <<<"${NCU_CASES:---shape qwen3-30b-a3b --tokens 1 --backends batched_mm}"
+  for i in "${!cases[@]}"; do
+    echo "== ${cases[$i]}"
+    # shellcheck disable=SC2086
+    ncu --clock-control none --print-kernel-base function --metrics gpu__time_duration.sum --csv ./gpu-bundle/moekit bench --device cuda \
+      --warmup 0 --repeats 1 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} >"$out/ncu_$i.csv" 2>"$out/ncu_$i.err"
+    python3 - "$out/ncu_$i.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, body = rows[0], rows[1:]
+name, value = head.index("Kernel Name"), head.index("Metric Value")
+total = 0.0
+for r in body:
+    us = float(r[value].replace(",", "")) / 1000.0
+    total += us
+    print(f"{us:10.1f} us  {r[name][:70]}")
+print(f"{total:10.1f} us  total")
+PY
+  done 2>&1 | tee "$out/ncu.log"
 fi
 if [[ $what == sass || $what == all ]]; then
   cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 -E "hopper|tensor_core" | grep -E "Function|REG" |

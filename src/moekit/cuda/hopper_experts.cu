@@ -106,27 +106,30 @@ __device__ __forceinline__ void quantize_group(const S* v, bool power_of_two, ui
 // FP8: rows [rows, width] (the token rows in bf16/f16, or the first GEMM's float intermediate)
 // quantised per 128-wide group as quantize_activations does, one warp per group: codes [rows, width],
 // scales K-block-major [width / 128, scale_rows]. With tile_offsets, `rows` is a host-known bound and
-// only the rows of the tiles that exist are quantised (padding rows too, harmlessly).
+// only the rows of the tiles that exist are quantised (padding rows too, harmlessly). grid.y covers the
+// groups of a row in blocks of up to 8 warps and grid.x strides over the rows: no 64-bit division per group.
 template <typename S>
 __global__ void quantize_rows_kernel(const S* v, int64_t width, int64_t rows, const int32_t* tile_offsets,
                                      int64_t experts, bool power_of_two, uint8_t* q, float* scales,
                                      int64_t scale_rows) {
   if (tile_offsets) rows = min(rows, int64_t{tile_offsets[experts]} * kBlockM);
-  const int64_t groups = width / 128, total = rows * groups;
-  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
-  for (int64_t i = int64_t{blockIdx.x} * warps + threadIdx.x / 32; i < total; i += int64_t{gridDim.x} * warps) {
-    const int64_t row = i / groups, g = i % groups;
+  const int64_t g = int64_t{blockIdx.y} * (blockDim.x / 32) + threadIdx.x / 32;
+  if (g >= width / 128) return;
+  const int lane = threadIdx.x % 32;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
     quantize_group(v + row * width + g * 128, power_of_two, q + row * width + g * 128, scales + g * scale_rows + row,
                    lane);
-  }
 }
 
 template <typename S>
 void quantize_rows(const S* v, int64_t width, int64_t rows, const int32_t* tile_offsets, int64_t experts,
                    bool power_of_two, uint8_t* q, float* scales, int64_t scale_rows, cudaStream_t stream) {
-  const int64_t warps = std::max<int64_t>(1, rows * (width / 128));
-  quantize_rows_kernel<S><<<static_cast<unsigned>(std::min<int64_t>((warps + 7) / 8, 65535)), 256, 0, stream>>>(
-      v, width, rows, tile_offsets, experts, power_of_two, q, scales, scale_rows);
+  const int64_t groups = std::max<int64_t>(1, width / 128);
+  const int64_t warps = std::min<int64_t>(8, groups);  // a block's warps: consecutive groups of one row
+  const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(rows, 1, 65535)),
+                  static_cast<unsigned>((groups + warps - 1) / warps));
+  quantize_rows_kernel<S><<<grid, static_cast<unsigned>(warps * 32), 0, stream>>>(v, width, rows, tile_offsets, experts,
+                                                                    power_of_two, q, scales, scale_rows);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
