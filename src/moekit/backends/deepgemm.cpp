@@ -1,6 +1,7 @@
 // deepgemm: DeepGEMM's contiguous layout on Hopper: token rows copied (FP8: quantised) into
 // per-expert blocks padded to 128, then two TMA + wgmma grouped GEMMs (activation fused into the
-// first) and the weighted combine. CUDA kernels: src/moekit/cuda/hopper_experts.cu.
+// first) and the weighted combine. At decode sizes (few pairs, about one per expert: hopper_decode_streams)
+// it runs batched_mm's weight-streaming kernels instead. CUDA kernels: src/moekit/cuda/hopper_experts.cu.
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/hopper_backend.h"
 
@@ -13,7 +14,7 @@ class DeepGemm final : public HopperBackend {
   std::string_view name() const override { return "deepgemm"; }
   std::string_view description() const override {
     return "TMA + wgmma grouped GEMM for Hopper (sm_90a), rows padded per expert to 128, activation fused; bf16 "
-           "and FP8 block-scaled experts";
+           "and FP8 block-scaled experts; at decode sizes batched_mm's weight-streaming kernels";
   }
 
  protected:

@@ -13,7 +13,8 @@ class SonicMoe final : public HopperBackend {
   SonicMoe() : HopperBackend(MOEKIT_CUDA_KERNELS(sonicmoe)) {}
   std::string_view name() const override { return "sonicmoe"; }
   std::string_view description() const override {
-    return "fused routed forward for Hopper: gather in the operand load, activation and routing weight fused";
+    return "fused routed forward for Hopper: gather in the operand load, activation and routing weight fused; "
+           "at decode sizes batched_mm's weight-streaming kernels";
   }
 };
 

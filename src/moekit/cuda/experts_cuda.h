@@ -72,5 +72,11 @@ void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 // Whether the Hopper kernels run this problem on the current device (grouped_mm uses them there): bf16/f16,
 // untransposed, H and I multiples of 8 (FP8: of 128), never FP4.
 bool hopper_gemm_runs(const ExpertsArgs& a);
+// Decode on the Hopper backends: with few pairs, about one per expert or fewer (bf16/f16: at most 128
+// pairs and one per expert; FP8: 256 and two), the layer is bound by reading the chosen experts' weights
+// and deepgemm and sonicmoe run batched_mm's weight-streaming kernels (with FP8, its tensor-core path)
+// instead of the grouped GEMM, whose 128-row tiles are then mostly padding. The limits are the measured
+// crossovers on the H200 (docs/benchmarks.md). MOEKIT_HOPPER_DECODE_STREAMING=0 keeps the grouped GEMM.
+bool hopper_decode_streams(const ExpertsArgs& a);
 
 }  // namespace moekit::cuda

@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "moekit/cuda/batched_mm_quantized_tensor_core.h"
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/fp8_math.cuh"
 #include "moekit/cuda/grouped_gemm.cuh"
@@ -384,6 +385,7 @@ void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stre
                dtype_name(a.dtype));
   MOEKIT_CHECK(hopper_gemm_runs(a) && !(a.fp8() && v == Variant::sonicmoe), name,
                ": problem outside the supported set (checked by the backend's supports())");
+  if (hopper_decode_streams(a)) return batched_mm_forward(a, workspace, stream);
   if (a.dtype == DType::bf16)
     a.fp8() ? forward_typed<bf16, true>(a, workspace, v, stream) : forward_typed<bf16, false>(a, workspace, v, stream);
   else
@@ -399,8 +401,19 @@ bool hopper_gemm_runs(const ExpertsArgs& a) {
          a.intermediate % granule == 0 && aligned(a.x) && aligned(a.up) && aligned(a.down) && device_is_sm90();
 }
 
+bool hopper_decode_streams(const ExpertsArgs& a) {
+  static const bool allowed = [] {
+    const char* v = std::getenv("MOEKIT_HOPPER_DECODE_STREAMING");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  const int64_t pairs = a.tokens * a.top_k;
+  const int64_t limit = a.fp8() ? 256 : 128, per_expert = a.fp8() ? 2 : 1;
+  if (!allowed || pairs == 0 || pairs > limit || pairs > per_expert * a.experts) return false;
+  return !a.fp8() || batched_mm_quantized_tensor_core_runs(a);
+}
+
 std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a) {
-  return layout(a, Variant::deepgemm).total;
+  return hopper_decode_streams(a) ? batched_mm_workspace_bytes(a) : layout(a, Variant::deepgemm).total;
 }
 
 void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
@@ -408,7 +421,7 @@ void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 }
 
 std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a) {
-  return layout(a, Variant::sonicmoe).total;
+  return hopper_decode_streams(a) ? batched_mm_workspace_bytes(a) : layout(a, Variant::sonicmoe).total;
 }
 
 void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
