@@ -31,8 +31,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/fp4_f16_codes.h"
@@ -522,10 +520,7 @@ int64_t scale_entries(const ExpertsArgs& a) {
 }  // namespace
 
 bool batched_mm_quantized_tensor_core_runs(const ExpertsArgs& a) {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MOEKIT_BATCHED_MM_TENSOR_CORES");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool allowed = !env_equals("MOEKIT_BATCHED_MM_TENSOR_CORES", "0");
   // Whole 16-byte pieces of every weight row: 16 e4m3 codes, 32 e2m1 codes.
   const int64_t piece = a.fp8() ? 16 : 32;
   return allowed && a.quantized() && !a.transposed && a.hidden % piece == 0 && a.intermediate % piece == 0 &&

@@ -5,21 +5,17 @@
 // weights included (H and I multiples of 128); FP4, and FP8 of other sizes, run on the portable kernels;
 // MOEKIT_HOPPER_GEMM=0 in the environment keeps the portable kernels (read once; for comparing them).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/grouped_gemm.cuh"
+#include "moekit/cuda/tensor_map.h"
 
 namespace moekit::cuda {
 
 namespace {
 
 bool uses_hopper_gemm(const ExpertsArgs& a) {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MOEKIT_HOPPER_GEMM");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool allowed = !env_equals("MOEKIT_HOPPER_GEMM", "0");
   return allowed && hopper_gemm_runs(a);
 }
 

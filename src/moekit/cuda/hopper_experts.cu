@@ -23,8 +23,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "moekit/cuda/batched_mm_quantized_tensor_core.h"
 #include "moekit/cuda/cuda_check.h"
@@ -168,10 +166,7 @@ __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, in
 }
 
 bool use_clusters() {
-  static const bool on = [] {
-    const char* v = std::getenv("MOEKIT_DEEPGEMM_CLUSTER");
-    return !(v && std::strcmp(v, "1") == 0);
-  }();
+  static const bool on = !env_equals("MOEKIT_DEEPGEMM_CLUSTER", "1");
   return on;
 }
 
@@ -379,6 +374,11 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
   launch_combine_rows(a, pair_padded_row, y, false, /*weighted=*/!gather, stream);
 }
 
+// The workspace of the path forward takes: batched_mm's at decode sizes, the padded layout's otherwise.
+std::size_t workspace_bytes(const ExpertsArgs& a, Variant v) {
+  return hopper_decode_streams(a) ? batched_mm_workspace_bytes(a) : layout(a, v).total;
+}
+
 void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stream) {
   const char* name = v == Variant::sonicmoe ? "sonicmoe" : "deepgemm";
   MOEKIT_CHECK(a.dtype == DType::bf16 || a.dtype == DType::f16, name, ": activations must be bf16 or f16, not ",
@@ -402,10 +402,7 @@ bool hopper_gemm_runs(const ExpertsArgs& a) {
 }
 
 bool hopper_decode_streams(const ExpertsArgs& a) {
-  static const bool allowed = [] {
-    const char* v = std::getenv("MOEKIT_HOPPER_DECODE_STREAMING");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool allowed = !env_equals("MOEKIT_HOPPER_DECODE_STREAMING", "0");
   const int64_t pairs = a.tokens * a.top_k;
   const int64_t limit = a.fp8() ? 256 : 128, per_expert = a.fp8() ? 2 : 1;
   if (!allowed || pairs == 0 || pairs > limit || pairs > per_expert * a.experts) return false;
@@ -413,7 +410,7 @@ bool hopper_decode_streams(const ExpertsArgs& a) {
 }
 
 std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a) {
-  return hopper_decode_streams(a) ? batched_mm_workspace_bytes(a) : layout(a, Variant::deepgemm).total;
+  return workspace_bytes(a, Variant::deepgemm);
 }
 
 void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
@@ -421,7 +418,7 @@ void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 }
 
 std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a) {
-  return hopper_decode_streams(a) ? batched_mm_workspace_bytes(a) : layout(a, Variant::sonicmoe).total;
+  return workspace_bytes(a, Variant::sonicmoe);
 }
 
 void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {

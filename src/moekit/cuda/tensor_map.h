@@ -1,6 +1,7 @@
 // Tensor maps of the bulk tensor copy engine (TMA, sm_90): the host-side description of a tiled view
 // of a tensor in device memory that a kernel receives as a __grid_constant__ parameter. Also the two
-// device facts the Hopper launchers size and choose by (multiprocessors, compute capability 9.0).
+// device facts the Hopper launchers size and choose by (multiprocessors, compute capability 9.0), and
+// the environment switches that keep an older kernel path.
 #pragma once
 
 #include <cuda.h>
@@ -8,6 +9,8 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "moekit/dtype.h"
@@ -55,5 +58,12 @@ void allow_dynamic_shared_memory(const void* kernel, std::size_t bytes);
 int multiprocessor_count();
 // Whether the current device is compute capability 9.0, where the sm_90a kernels run (cached).
 bool device_is_sm90();
+
+// Whether environment variable `name` is set to exactly `value` (the MOEKIT_* switches of the launchers,
+// each read once into a static by its caller).
+inline bool env_equals(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, value) == 0;
+}
 
 }  // namespace moekit::cuda
