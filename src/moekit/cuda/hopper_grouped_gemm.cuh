@@ -486,8 +486,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
       }
+      // Rows of an expert fill its tiles from the first, so when this warpgroup's first row is padding
+      // all its 64 rows are: it only passes the stages on, and the other warpgroup has the tensor cores
+      // to itself (an expert's last tile with at most 64 rows costs half; decode's tiles mostly do).
+      const bool idle = t.valid && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0;
       int previous = -1;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
+        if (idle) {
+          Barrier::wait(&full[stage], phase);
+          release(stage);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+          continue;
+        }
         float b_scale[2] = {1.0f, 1.0f};
         if constexpr (kFp8) {  // read before the wait, so the loads overlap it
           b_scale[0] = block_scale_at(p.a, scale_base[0], kb);
@@ -533,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
         if (previous >= 0) release(previous);
       }
-      if (t.valid) store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.m_tile, t.n_block, math);
+      if (t.valid && !idle) store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.m_tile, t.n_block, math);
     }
   }
   if constexpr (kCluster > 1) cute::cluster_sync();  // no block leaves while its peer may still signal it
