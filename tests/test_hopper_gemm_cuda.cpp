@@ -1,9 +1,11 @@
 // The Hopper grouped GEMM alone (include/moekit/hopper_gemm.h) against a float64 product on the host of
 // the very operand values it reads (bf16, or e4m3 codes times their scales), on a small shape with
 // several groups, row counts that are not multiples of 128 (padding inside tiles), an empty group and
-// a column block of N that is only partly inside. Needs a compute capability 9.0 GPU; skips elsewhere.
+// a column block of N that is only partly inside; in the contiguous layout and in the masked one (one
+// group's masked_m past max_m, which counts as max_m). Needs a compute capability 9.0 GPU; skips elsewhere.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -22,6 +24,7 @@ struct GemmCase {
   bool fp8;
   DType scale_dtype;  // FP8 weight scales
   GroupedGemmEpilogue epilogue;
+  bool masked = false;  // the masked layout [G, max_m, K] instead of the contiguous one
 };
 
 class HopperGroupedGemmCuda : public ::testing::TestWithParam<GemmCase> {};
@@ -39,20 +42,35 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   // N = 384 leaves the bf16 kernel's second 256-wide column block partly outside (gated too: 192 outputs);
   // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there. K = 384 is 6 (bf16) or 3 (FP8)
   // pipeline stages, so the stage ring wraps around within a tile.
-  const std::vector<int64_t> rows_per_group{100, 0, 257, 128, 1};
+  // Masked: max_m = 384, and the last group's 400 rows count as its 384.
+  const std::vector<int64_t> rows_per_group = c.masked ? std::vector<int64_t>{100, 0, 257, 128, 400}
+                                                       : std::vector<int64_t>{100, 0, 257, 128, 1};
   const auto G = static_cast<int64_t>(rows_per_group.size());
   const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
-  const int64_t N = c.fp8 && gated ? 512 : 384, K = 384;
+  const int64_t N = c.fp8 && gated ? 512 : 384, K = 384, max_m = 384;
   const Tensor offsets = contiguous_tile_offsets(rows_per_group);
   const int32_t* o = offsets.data_as<int32_t>();
-  const int64_t M = int64_t{o[G]} * 128;
+  const int64_t M = c.masked ? G * max_m : int64_t{o[G]} * 128;
+  // Group g's row r is row first_row(g) + r of the row matrix and of out (as [M, ...]).
+  auto first_row = [&](int64_t g) { return c.masked ? g * max_m : int64_t{o[g]} * 128; };
+  auto own_rows = [&](int64_t g) {
+    const int64_t m = rows_per_group[static_cast<std::size_t>(g)];
+    return c.masked ? std::min(m, max_m) : m;
+  };
 
   Tensor w = Tensor::empty({G, N, K}, DType::f32), x = Tensor::empty({M, K}, DType::f32);
   fill_uniform(w, 1.0f / std::sqrt(static_cast<float>(K)), 31);
   fill_uniform(x, 1.0f, 32);
   GroupedGemmProblem p;
   p.epilogue = c.epilogue;
-  p.tile_offsets = offsets.to(gpu);
+  if (c.masked) {
+    Tensor masked_m = Tensor::empty({G}, DType::i32);
+    for (int64_t g = 0; g < G; ++g)
+      masked_m.data_as<int32_t>()[g] = static_cast<int32_t>(rows_per_group[static_cast<std::size_t>(g)]);
+    p.masked_m = masked_m.to(gpu);
+  } else {
+    p.tile_offsets = offsets.to(gpu);
+  }
   HostOperands h;
   h.rows.resize(static_cast<std::size_t>(M * K));
   h.weights.resize(static_cast<std::size_t>(G * N * K));
@@ -80,6 +98,7 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
     p.weights = q.weights.to(gpu);
     p.weight_scales = q.scale_inv.to(gpu);
   }
+  if (c.masked) p.rows = p.rows.reshape({G, max_m, K});
   const Support support = hopper_grouped_gemm_supports(p);
   ASSERT_TRUE(support.ok) << support.reason;
 
@@ -96,8 +115,8 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   const double tolerance = grouped_gemm_out_dtype(p) == DType::bf16 ? 4e-3 : 1e-3;
   std::vector<double> product(static_cast<std::size_t>(N));
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t r = 0; r < rows_per_group[static_cast<std::size_t>(g)]; ++r) {
-      const int64_t row = int64_t{o[g]} * 128 + r;
+    for (int64_t r = 0; r < own_rows(g); ++r) {
+      const int64_t row = first_row(g) + r;
       for (int64_t n = 0; n < N; ++n) {
         double sum = 0;
         for (int64_t k = 0; k < K; ++k)
@@ -129,7 +148,11 @@ INSTANTIATE_TEST_SUITE_P(Formats, HopperGroupedGemmCuda,
                                            GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
                                            GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
                                            GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
-                                           GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu}),
+                                           GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu},
+                                           GemmCase{"masked_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, true},
+                                           GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, true},
+                                           GemmCase{"masked_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, true},
+                                           GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true}),
                          [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
 
 // The boundary checks answer before any work, with the reason (no GPU needed: a CPU tensor is refused
@@ -144,6 +167,21 @@ TEST(HopperGroupedGemm, RefusesTheCpuWithTheReason) {
   EXPECT_NE(s.reason.find("compute capability 9.0"), std::string::npos) << s.reason;
   Tensor out = Tensor::empty({128, 128}, DType::bf16);
   EXPECT_THROW(hopper_grouped_gemm(p, out, Stream{}), Error);
+}
+
+// A problem names its layout by exactly one of tile_offsets (contiguous) and masked_m (masked); the
+// check says so before it looks at the device.
+TEST(HopperGroupedGemm, RefusesBothLayoutsOrNeither) {
+  GroupedGemmProblem p;
+  p.rows = Tensor::zeros({1, 128, 128}, DType::bf16);
+  p.weights = Tensor::zeros({1, 128, 128}, DType::bf16);
+  for (const bool both : {true, false}) {
+    p.tile_offsets = both ? contiguous_tile_offsets({128}) : Tensor();
+    p.masked_m = both ? Tensor::zeros({1}, DType::i32) : Tensor();
+    const Support s = hopper_grouped_gemm_supports(p);
+    EXPECT_FALSE(s.ok);
+    EXPECT_NE(s.reason.find("either tile_offsets"), std::string::npos) << s.reason;
+  }
 }
 
 TEST(HopperGroupedGemm, TileOffsetsPadEachGroupTo128Rows) {

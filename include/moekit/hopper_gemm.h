@@ -6,6 +6,12 @@
 // DeepGEMM's contiguous layout: group g owns rows [128 * offsets[g], 128 * offsets[g + 1]) of the row
 // matrix and of out, so no 128-row tile straddles two groups; the rows of a group past its own rows are
 // padding (whatever they hold, their output rows mean nothing).
+//
+// DeepGEMM's masked layout (decode, or rows that arrive per expert from an all-to-all): rows [G, max_m,
+// K], group g's own rows the first masked_m[g] of its max_m, with masked_m on the device (read there, so
+// the call neither synchronises nor needs the counts on the host, and can be captured in a graph). Tiles
+// wholly past masked_m[g] are skipped; out is [G, max_m, outputs] and its rows past masked_m[g] mean
+// nothing. max_m is a multiple of 128.
 #pragma once
 
 #include <cstdint>
@@ -26,12 +32,14 @@ enum class GroupedGemmEpilogue : uint8_t {
 // FP8: rows and weights f8_e4m3, K and N multiples of 128; row_scales [K / 128, M] f32 (one per row and
 // 128-deep block, block-major as the copy engine reads them; quantize_activations makes them per row);
 // weight_scales [G, N / 128, K / 128] f32 or ue8m0 (quantize_weights makes them).
+// Masked layout: M = G * max_m in row_scales' shape.
 struct GroupedGemmProblem {
-  Tensor rows;           // [M, K], M a multiple of 128
+  Tensor rows;           // [M, K], M a multiple of 128; masked: [G, max_m, K]
   Tensor row_scales;     // FP8 only
   Tensor weights;        // [G, N, K]
   Tensor weight_scales;  // FP8 only
   Tensor tile_offsets;   // [G + 1] i32: the first 128-row tile of each group, then the end (contiguous_tile_offsets)
+  Tensor masked_m;       // instead of tile_offsets, the masked layout: [G] i32, each group's own rows (clamped to [0, max_m])
   GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::store;
 };
 
@@ -45,7 +53,8 @@ Support hopper_grouped_gemm_supports_device(Device device);
 // The device, then the dtypes, shapes and alignment of the problem; the reason when they do not fit.
 Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p);
 
-// The shape and dtype of out for this problem: [M, N] bf16, gated [M, N / 2] bf16 (f32 with FP8).
+// The shape and dtype of out for this problem: [M, N] bf16, gated [M, N / 2] bf16 (f32 with FP8); masked
+// [G, max_m, N] or [G, max_m, N / 2].
 Shape grouped_gemm_out_shape(const GroupedGemmProblem& p);
 DType grouped_gemm_out_dtype(const GroupedGemmProblem& p);
 

@@ -1,7 +1,9 @@
 // moekit bench-gemm: times the Hopper grouped GEMM alone (the kernel of deepgemm's projections, without
 // routing, row placement, activation quantisation or combine) on the projections of model shapes, in
-// DeepGEMM's contiguous layout with every group holding the same number of rows, and sets each result
-// beside DeepGEMM's own figure on the same GPU (issue 6 asks for >= 0.95x of it).
+// DeepGEMM's contiguous layout (or, with --masked, its masked decode layout) with every group holding the
+// same number of rows, and sets each result beside DeepGEMM's own figure on the same GPU (issue 6 asks
+// for >= 0.95x of it). Each row also gives the rate at which the weights were read (decode-sized cases
+// are bound by it).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -41,6 +43,7 @@ struct GemmBenchOptions {
   int warmup = 5;
   int repeats = 20;
   bool no_flush_l2 = false;
+  bool masked = false;
   uint64_t seed = 0;
   std::string json_path = "bench-results/bench_gemm.json";
 };
@@ -132,10 +135,15 @@ Weights make_weights(const GemmShape& s, const std::string& format, int64_t max_
 
 // The row matrix of G groups of m rows each in the contiguous layout (every group the same random rows),
 // FP8 quantised per row and 128-wide group as the layer quantises them; padding rows are zero.
+// Masked: G blocks of max_m = m rounded up to 128 rows, masked_m = m for every group.
 GroupedGemmProblem make_problem(const GemmShape& s, const std::string& format, const Weights& w, int64_t groups,
-                                int64_t m, uint64_t seed, Device device) {
+                                int64_t m, bool masked, uint64_t seed, Device device) {
   GroupedGemmProblem p;
-  const Tensor offsets = contiguous_tile_offsets(std::vector<int64_t>(static_cast<std::size_t>(groups), m));
+  Tensor offsets = contiguous_tile_offsets(std::vector<int64_t>(static_cast<std::size_t>(groups), m));
+  const int64_t max_m = (m + 127) / 128 * 128;
+  if (masked) {  // group g's block starts at tile g * max_m / 128, as if contiguous with max_m rows each
+    for (int64_t g = 0; g <= groups; ++g) offsets.data_as<int32_t>()[g] = static_cast<int32_t>(g * max_m / 128);
+  }
   const int32_t* o = offsets.data_as<int32_t>();
   const int64_t M = int64_t{o[groups]} * 128, K = s.k;
   Tensor x = Tensor::empty({m, K}, DType::f32);
@@ -167,17 +175,25 @@ GroupedGemmProblem make_problem(const GemmShape& s, const std::string& format, c
     p.weight_scales = w.scales.slice(0, 0, groups);
   }
   p.weights = w.weights.slice(0, 0, groups);
-  p.tile_offsets = offsets.to(device);
+  if (masked) {
+    Tensor masked_m = Tensor::empty({groups}, DType::i32);
+    std::fill_n(masked_m.data_as<int32_t>(), groups, static_cast<int32_t>(m));
+    p.masked_m = masked_m.to(device);
+    p.rows = p.rows.reshape({groups, max_m, K});
+  } else {
+    p.tile_offsets = offsets.to(device);
+  }
   return p;
 }
 
 struct GemmRow {
   std::string format, shape, projection, epilogue;
   int64_t groups = 0, rows_per_expert = 0, n = 0, k = 0;
-  double flops = 0, median_ms = 0, min_ms = 0, max_ms = 0;
+  double flops = 0, weight_bytes = 0, median_ms = 0, min_ms = 0, max_ms = 0;
   int runs = 0;
   std::optional<DeepGemmFigure> reference;
   double tflops() const { return flops / (median_ms * 1e-3) / 1e12; }
+  double weight_tbs() const { return weight_bytes / (median_ms * 1e-3) / 1e12; }
 };
 
 std::string ratio_text(const GemmRow& r) {
@@ -202,15 +218,15 @@ std::string reference_text(const GemmRow& r) {
 }
 
 void print_header() {
-  std::printf("%-9s %-13s %-7s %-5s %4s %5s %5s %5s %9s %8s %9s %11s\n", "format", "shape", "proj", "epi", "G", "m",
-              "N", "K", "us", "TFLOP/s", "DeepGEMM", "ratio");
+  std::printf("%-9s %-13s %-7s %-5s %4s %5s %5s %5s %9s %8s %9s %11s %10s\n", "format", "shape", "proj", "epi", "G",
+              "m", "N", "K", "us", "TFLOP/s", "DeepGEMM", "ratio", "weights TB/s");
 }
 
 void print_row(const GemmRow& r) {
-  std::printf("%-9s %-13s %-7s %-5s %4lld %5lld %5lld %5lld %9.1f %8.1f %9s %11s\n", r.format.c_str(), r.shape.c_str(),
-              r.projection.c_str(), r.epilogue.c_str(), static_cast<long long>(r.groups),
+  std::printf("%-9s %-13s %-7s %-5s %4lld %5lld %5lld %5lld %9.1f %8.1f %9s %11s %10.2f\n", r.format.c_str(),
+              r.shape.c_str(), r.projection.c_str(), r.epilogue.c_str(), static_cast<long long>(r.groups),
               static_cast<long long>(r.rows_per_expert), static_cast<long long>(r.n), static_cast<long long>(r.k),
-              r.median_ms * 1e3, r.tflops(), reference_text(r).c_str(), ratio_text(r).c_str());
+              r.median_ms * 1e3, r.tflops(), reference_text(r).c_str(), ratio_text(r).c_str(), r.weight_tbs());
   std::fflush(stdout);
 }
 
@@ -230,6 +246,8 @@ nlohmann::ordered_json row_json(const GemmRow& r) {
   j["max_ms"] = r.max_ms;
   j["runs"] = r.runs;
   j["tflops"] = r.tflops();
+  j["weight_bytes"] = r.weight_bytes;
+  j["weight_tb_per_s"] = r.weight_tbs();
   if (r.reference) {
     j["deepgemm_tflops_low"] = r.reference->low;
     j["deepgemm_tflops_high"] = r.reference->high;
@@ -261,8 +279,8 @@ void run(GemmBenchCommand& state) {
   for (const int64_t m : o.rows_per_expert) max_groups = std::max(max_groups, groups_for(m));
 
   std::printf("moekit bench-gemm %s\n", state.flags->command_line().c_str());
-  std::printf("device: %s; the Hopper grouped GEMM alone, contiguous layout, median of %d calls after %d warm-up%s\n",
-              device_name(device).c_str(), o.repeats, o.warmup,
+  std::printf("device: %s; the Hopper grouped GEMM alone, %s layout, median of %d calls after %d warm-up%s\n",
+              device_name(device).c_str(), o.masked ? "masked" : "contiguous", o.repeats, o.warmup,
               o.no_flush_l2 ? "" : ", L2 flushed before each call (as DeepGEMM's bench_kineto)");
   std::printf(
       "DeepGEMM: 2.6.1 on the same H200 as quoted in issue 6 (ranges where it gives none per case); ratio = "
@@ -276,7 +294,7 @@ void run(GemmBenchCommand& state) {
         const Weights w = make_weights(s, format, max_groups, o.seed, stream);
         for (const int64_t m : o.rows_per_expert) {
           const int64_t groups = groups_for(m);
-          GroupedGemmProblem p = make_problem(s, format, w, groups, m, o.seed, device);
+          GroupedGemmProblem p = make_problem(s, format, w, groups, m, o.masked, o.seed, device);
           for (const std::string& epilogue : o.epilogues) {
             if (epilogue == "gated" && projection != "gate_up") continue;  // a gated epilogue pairs gate and up rows
             p.epilogue = epilogue == "gated" ? GroupedGemmEpilogue::gated_silu : GroupedGemmEpilogue::store;
@@ -295,6 +313,8 @@ void run(GemmBenchCommand& state) {
             for (int i = 0; i < o.repeats; ++i) samples.push_back(run_once());
             GemmRow r{format, shape, projection, epilogue, groups, m, s.n, s.k};
             r.flops = 2.0 * static_cast<double>(groups * m) * static_cast<double>(s.n) * static_cast<double>(s.k);
+            r.weight_bytes = static_cast<double>(p.weights.nbytes()) +
+                             (p.weight_scales.defined() ? static_cast<double>(p.weight_scales.nbytes()) : 0.0);
             r.median_ms = median(samples);
             r.min_ms = *std::min_element(samples.begin(), samples.end());
             r.max_ms = *std::max_element(samples.begin(), samples.end());
@@ -355,6 +375,9 @@ void add_bench_gemm_command(CLI::App& app) {
   f.add("--warmup", o.warmup, "Untimed calls per case")->check(at_least(0));
   f.add("--repeats", o.repeats, "Timed calls per case; the median is reported")->check(at_least(1));
   f.add("--no-flush-l2", o.no_flush_l2, "Do not evict L2 (a copy of 128 MiB) before each timed call");
+  f.add("--masked", o.masked,
+        "DeepGEMM's masked layout (decode): rows [G, max_m, K] with max_m = m rounded up to 128 and masked_m = m "
+        "on the device, instead of the contiguous one");
   f.add("--seed", o.seed, "Seed of weights and rows");
   f.add("--json", o.json_path, "Results file (empty: none)");
   cmd->callback([state] { run(*state); });

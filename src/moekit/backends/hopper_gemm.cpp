@@ -22,6 +22,15 @@ bool fp8(const GroupedGemmProblem& p) {
   return p.rows.dtype() == DType::f8_e4m3;
 }
 
+bool masked(const GroupedGemmProblem& p) {
+  return p.masked_m.defined();
+}
+
+// The rows as the kernel reads them, [M, K] (masked: G * max_m of them).
+int64_t row_count(const GroupedGemmProblem& p) {
+  return masked(p) ? p.rows.size(0) * p.rows.size(1) : p.rows.size(0);
+}
+
 bool aligned16(const Tensor& t) {
   return (reinterpret_cast<uintptr_t>(t.data()) & 15u) == 0;
 }
@@ -54,24 +63,37 @@ Support hopper_grouped_gemm_supports_device(Device device) {
 
 Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
   const std::string who(kWho);
-  if (!p.rows.defined() || !p.weights.defined() || !p.tile_offsets.defined())
-    return Support::no(who + " needs rows, weights and tile_offsets");
+  if (!p.rows.defined() || !p.weights.defined() || p.tile_offsets.defined() == p.masked_m.defined())
+    return Support::no(who + " needs rows, weights and either tile_offsets (the contiguous layout) or masked_m (the "
+                             "masked one), not both");
   if (Support s = hopper_grouped_gemm_supports_device(p.rows.device()); !s) return s;
   const bool q = fp8(p);
   const DType operand = q ? DType::f8_e4m3 : DType::bf16;
   if (p.rows.dtype() != operand || p.weights.dtype() != operand)
     return Support::no(who + " takes bf16 or f8_e4m3 rows and weights of the same dtype, got rows " + sizes(p.rows) +
                        " and weights " + sizes(p.weights));
-  if (p.rows.dim() != 2 || p.weights.dim() != 3 || p.rows.size(1) != p.weights.size(2))
-    return Support::no(who + ": rows must be [M, K] and weights [G, N, K], got " + sizes(p.rows) + " and " +
-                       sizes(p.weights));
-  const int64_t M = p.rows.size(0), G = p.weights.size(0), N = p.weights.size(1), K = p.rows.size(1);
-  if (M % kTileRows != 0 || M == 0 || G == 0)
-    return Support::no(who + ": rows must be a positive multiple of 128 (the padded layout) and G >= 1, got M = " +
-                       std::to_string(M) + ", G = " + std::to_string(G));
-  if (p.tile_offsets.dtype() != DType::i32 || p.tile_offsets.shape() != Shape{G + 1})
-    return Support::no(who + ": tile_offsets must be i32 [G + 1] = [" + std::to_string(G + 1) + "], got " +
-                       sizes(p.tile_offsets));
+  const int64_t row_dims = masked(p) ? 3 : 2;
+  if (p.rows.dim() != row_dims || p.weights.dim() != 3 || p.rows.size(row_dims - 1) != p.weights.size(2) ||
+      (masked(p) && p.rows.size(0) != p.weights.size(0)))
+    return Support::no(who + ": rows must be " + (masked(p) ? "[G, max_m, K]" : "[M, K]") +
+                       " and weights [G, N, K], got " + sizes(p.rows) + " and " + sizes(p.weights));
+  const int64_t M = row_count(p), G = p.weights.size(0), N = p.weights.size(1), K = p.rows.size(row_dims - 1);
+  if (masked(p)) {
+    const int64_t max_m = p.rows.size(1);
+    if (max_m % kTileRows != 0 || max_m == 0 || G == 0)
+      return Support::no(who + ": the masked layout needs max_m a positive multiple of 128 and G >= 1, got max_m = " +
+                         std::to_string(max_m) + ", G = " + std::to_string(G));
+    if (p.masked_m.dtype() != DType::i32 || p.masked_m.shape() != Shape{G})
+      return Support::no(who + ": masked_m must be i32 [G] = [" + std::to_string(G) + "], got " + sizes(p.masked_m));
+  } else {
+    if (M % kTileRows != 0 || M == 0 || G == 0)
+      return Support::no(who + ": rows must be a positive multiple of 128 (the padded layout) and G >= 1, got M = " +
+                         std::to_string(M) + ", G = " + std::to_string(G));
+    if (p.tile_offsets.dtype() != DType::i32 || p.tile_offsets.shape() != Shape{G + 1})
+      return Support::no(who + ": tile_offsets must be i32 [G + 1] = [" + std::to_string(G + 1) + "], got " +
+                         sizes(p.tile_offsets));
+  }
+  if (M > INT32_MAX) return Support::no(who + ": more than 2^31 rows (" + std::to_string(M) + ")");
   const bool gated = p.epilogue == GroupedGemmEpilogue::gated_silu;
   // The copy engine reads whole 16-byte pieces of rows; FP8 runs in whole 128 x 128 scale blocks.
   const int64_t granule = q ? kScaleBlock : 8;
@@ -93,7 +115,7 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
   } else if (p.row_scales.defined() || p.weight_scales.defined()) {
     return Support::no(who + ": bf16 operands take no scales");
   }
-  for (const Tensor* t : {&p.rows, &p.row_scales, &p.weights, &p.weight_scales, &p.tile_offsets}) {
+  for (const Tensor* t : {&p.rows, &p.row_scales, &p.weights, &p.weight_scales, &p.tile_offsets, &p.masked_m}) {
     if (!t->defined()) continue;
     if (t->device() != p.rows.device() || !t->is_contiguous() || !aligned16(*t))
       return Support::no(who + " needs every tensor contiguous, 16-byte aligned and on " +
@@ -104,7 +126,9 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
 
 Shape grouped_gemm_out_shape(const GroupedGemmProblem& p) {
   const int64_t N = p.weights.size(1);
-  return {p.rows.size(0), p.epilogue == GroupedGemmEpilogue::gated_silu ? N / 2 : N};
+  const int64_t outputs = p.epilogue == GroupedGemmEpilogue::gated_silu ? N / 2 : N;
+  if (masked(p)) return {p.rows.size(0), p.rows.size(1), outputs};
+  return {p.rows.size(0), outputs};
 }
 
 DType grouped_gemm_out_dtype(const GroupedGemmProblem& p) {
@@ -122,8 +146,13 @@ void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Stream stream
   g.groups = p.weights.size(0);
   g.n = p.weights.size(1);
   g.k = p.weights.size(2);
-  g.max_tiles = p.rows.size(0) / kTileRows;
-  g.tile_offsets = p.tile_offsets.data_as<int32_t>();
+  g.max_tiles = row_count(p) / kTileRows;
+  if (masked(p)) {
+    g.masked_m = p.masked_m.data_as<int32_t>();
+    g.max_m = p.rows.size(1);
+  } else {
+    g.tile_offsets = p.tile_offsets.data_as<int32_t>();
+  }
   g.fp8 = fp8(p);
   g.ue8m0_scales = g.fp8 && p.weight_scales.dtype() == DType::ue8m0;
   g.rows = p.rows.data();

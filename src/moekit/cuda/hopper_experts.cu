@@ -165,6 +165,19 @@ __global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, in
   }
 }
 
+// The masked layout's tile offsets [G + 1]: the tiles of group g's first masked_m[g] rows (clamped to
+// [0, max_m]), 128 rows each. One thread, as routing's offsets_kernel: G is at most a few thousand.
+__global__ void masked_tile_offsets_kernel(const int32_t* masked_m, int64_t groups, int64_t max_m,
+                                           int32_t* tile_offsets) {
+  int32_t tiles = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    tile_offsets[g] = tiles;
+    const int64_t m = min(max(static_cast<int64_t>(masked_m[g]), int64_t{0}), max_m);
+    tiles += static_cast<int32_t>((m + kBlockM - 1) / kBlockM);
+  }
+  tile_offsets[groups] = tiles;
+}
+
 bool use_clusters() {
   static const bool on = !env_equals("MOEKIT_DEEPGEMM_CLUSTER", "1");
   return on;
@@ -212,7 +225,9 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CU
 template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
 void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
                  const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
-  if (use_clusters())
+  // The masked layout's tiles of one group are not adjacent in rows; pairs share weights only in the
+  // contiguous one.
+  if (use_clusters() && !p.masked_m)
     launch_gemm_on<T, kEpi, 2, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
   else
     launch_gemm_on<T, kEpi, 1, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
@@ -277,6 +292,9 @@ struct GemmProjection {
   int64_t outputs = 0;  // columns of out
   void* out = nullptr;
   bool weighted = false;  // store_rows multiplies each row by its pair's routing weight
+  // The masked layout (hopper::GemmParams): rows per group and each group's own rows.
+  const int32_t* masked_m = nullptr;
+  int64_t masked_rows = 0;
 };
 
 template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
@@ -297,6 +315,8 @@ void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int
   p.out = j.out;
   p.b_scales = j.weight_scales;
   p.b_scale_rows = (N + 127) / 128;
+  p.masked_m = j.masked_m;
+  p.masked_rows = j.masked_rows;
   // The gathering producer never reads the A map; it still gets a valid one (over the weights).
   const CUtensorMap a_map = kGatherA ? rows_map(j.weights, a.dtype, j.depth, 1) : rows_map(j.rows, operand, j.depth, M);
   const CUtensorMap s_map = kFp8 ? scales_map(j.row_scales, j.depth, M) : a_map;
@@ -447,10 +467,24 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
                          .part_rows = g.n / parts,
                          .parts = parts,
                          .outputs = g.n / parts,
-                         .out = g.out};
+                         .out = g.out,
+                         .masked_m = g.masked_m,
+                         .masked_rows = g.masked_m ? g.max_m : 0};
+  // The masked layout: its tile offsets made here from masked_m, in stream-ordered memory (so the call
+  // stays free of host synchronisation and capturable in a graph).
+  int32_t* masked_offsets = nullptr;
+  if (g.masked_m) {
+    MOEKIT_CHECK(g.max_m > 0 && g.max_m % kBlockM == 0 && g.max_tiles * kBlockM == g.groups * g.max_m,
+                 "the Hopper grouped GEMM: the masked layout needs max_m a positive multiple of 128 and max_tiles = G * max_m / 128");
+    MOEKIT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&masked_offsets),
+                                      static_cast<std::size_t>(g.groups + 1) * sizeof(int32_t), stream));
+    masked_tile_offsets_kernel<<<1, 1, 0, stream>>>(g.masked_m, g.groups, g.max_m, masked_offsets);
+    MOEKIT_CUDA_CHECK_LAUNCH();
+  }
+  const int32_t* tile_offsets = g.masked_m ? masked_offsets : g.tile_offsets;
   // The same instantiations as the layer's: store_rows is its second projection, gated its first.
   auto run = [&]<Epilogue kEpi, bool kFp8>() {
-    run_projection<bf16, kEpi, false, kFp8>(a, g.tile_offsets, nullptr, g.max_tiles, j, stream);
+    run_projection<bf16, kEpi, false, kFp8>(a, tile_offsets, nullptr, g.max_tiles, j, stream);
   };
   if (gated)
     g.fp8 ? run.template operator()<Epilogue::gated_activation, true>()
@@ -458,6 +492,7 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
   else
     g.fp8 ? run.template operator()<Epilogue::store_rows, true>()
           : run.template operator()<Epilogue::store_rows, false>();
+  if (masked_offsets) MOEKIT_CUDA_CHECK(cudaFreeAsync(masked_offsets, stream));
 }
 
 }  // namespace moekit::cuda

@@ -16,7 +16,7 @@ enum class HopperGemmEpilogue : uint8_t {
                // projection): bf16, or float with FP8 operands (the layer quantises that float afterwards)
 };
 
-// rows [M, K] @ weights [G, N, K]^T -> out, rows grouped in DeepGEMM's contiguous layout: group g owns
+// rows [M, K] @ weights [G, N, K]^T -> out, rows grouped in DeepGEMM's contiguous layout (or its masked one): group g owns
 // the 128-row tiles [tile_offsets[g], tile_offsets[g + 1]) of rows and out, and each tile is multiplied
 // by weights[g]. Rows of a tile past its group's own rows (padding) produce rows that mean nothing.
 // bf16: K and N multiples of 8 (gated: N / 2); FP8: K and N multiples of 128.
@@ -32,6 +32,12 @@ struct HopperGemmArgs {
   const void* weight_scales = nullptr;    // FP8: [G, N / 128, K / 128], one per 128 x 128 block
   HopperGemmEpilogue epilogue = HopperGemmEpilogue::store_rows;
   void* out = nullptr;
+  // The masked layout instead (DeepGEMM's, for decode): rows [G, max_m, K] and out [G, max_m, outputs],
+  // group g's own rows the first masked_m[g] (clamped to [0, max_m]); max_m a multiple of 128,
+  // max_tiles = G * max_m / 128, tile_offsets unused (made on the device from masked_m). Output rows past
+  // masked_m[g] mean nothing.
+  const int32_t* masked_m = nullptr;  // [G], read on the device
+  int64_t max_m = 0;
 };
 
 void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream);

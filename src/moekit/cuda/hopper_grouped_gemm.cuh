@@ -16,6 +16,7 @@
 // producer warpgroup gathers each tile's token rows straight from the hidden states with 16-byte
 // cp.async copies into the same swizzled layout, completing on the same "full" barrier.
 // With weight_rows set, the store_rows epilogue multiplies each row by its pair's routing weight.
+// With masked_m set (the masked layout), a tile's rows start inside its group's block of rows.
 // kFp8 (deepgemm's FP8 experts): e4m3 operands with block scales, promoted per 128-deep block (see the
 // kernel); the first projection's epilogue then stores float, which a separate pass quantises.
 // Epilogues with 2-byte outputs store 16-byte row pieces (store_group_pair).
@@ -81,6 +82,11 @@ struct GemmParams {
   // FP8: the weights' block scales [E, b_scale_rows, k_blocks] (f32, or ue8m0 with a.ue8m0_scales).
   const void* b_scales = nullptr;
   int64_t b_scale_rows = 0;
+  // The masked layout (DeepGEMM's, for decode): group g's rows start at row g * masked_rows (a multiple
+  // of 128) and the first masked_m[g] of them are its own; tile_offsets then count each group's tiles of
+  // those rows (masked_tile_offsets). Null: the contiguous layout, a tile's rows start at 128 * its index.
+  const int32_t* masked_m = nullptr;
+  int64_t masked_rows = 0;
 };
 
 // One stage: the A tile, the B tile and (FP8) the A tile's 128 row scales, rounded up to the 1 KB
@@ -221,10 +227,10 @@ __device__ __forceinline__ void row_weights(const GemmParams& p, int64_t m_tile,
 
 template <typename T, typename O, int BN, Epilogue kEpi>
 __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, const float (&weight)[2],
-                                               int64_t expert, int64_t m_tile, int n_block, int math) {
+                                               int64_t expert, int64_t tile_row, int n_block, int math) {
   const ExpertsArgs& a = p.a;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int64_t row_base = m_tile * kBlockM + math * 64;
+  const int64_t row_base = tile_row + math * 64;
   constexpr bool kPacked = !std::is_same_v<O, float>;  // 2-byte outputs go through store_group_pair
   if constexpr (kEpi == Epilogue::gated_activation) {
     constexpr int kHalf = BN / 4;  // accumulator index of the up column paired with a gate column
@@ -340,6 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // last time, makes the lookup one or two loads.
   struct Tile {
     int64_t m_tile;
+    int64_t row;  // the tile's first row of A and of out
     int n_block;
     int expert;
     bool valid, multicast;
@@ -365,6 +372,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         t.expert = static_cast<int>(first);
       }
     }
+    t.row = p.masked_m ? t.expert * p.masked_rows + (t.m_tile - p.tile_offsets[t.expert]) * kBlockM
+                       : t.m_tile * kBlockM;
     return t;
   };
 
@@ -416,10 +425,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             TxBarrier::arrive_and_expect_tx(&full[stage], 2 * kHalfBytes);
           } else {
             TxBarrier::arrive_and_expect_tx(&full[stage], kABytes + 2 * kHalfBytes + (kFp8 ? kBlockM * 4 : 0));
-            cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.m_tile * kBlockM));
+            cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.row));
             if constexpr (kFp8)
-              cute::SM90_TMA_LOAD_2D::copy(&s_map, &full[stage], kHint, sa + kScaleOffset,
-                                           static_cast<int>(t.m_tile * kBlockM), kb);
+              cute::SM90_TMA_LOAD_2D::copy(&s_map, &full[stage], kHint, sa + kScaleOffset, static_cast<int>(t.row),
+                                           kb);
           }
           // Half h of the weight tile: gated, the gate (h = 0) or up (h = 1) rows of the block's columns;
           // otherwise rows h * 128 onwards of its 256.
@@ -487,9 +496,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
       }
       // Rows of an expert fill its tiles from the first, so when this warpgroup's first row is padding
-      // all its 64 rows are: it only passes the stages on, and the other warpgroup has the tensor cores
-      // to itself (an expert's last tile with at most 64 rows costs half; decode's tiles mostly do).
-      const bool idle = t.valid && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0;
+      // (masked: at or past masked_m of its group) all its 64 rows are: it only passes the stages on, and
+      // the other warpgroup has the tensor cores to itself (an expert's last tile with at most 64 rows
+      // costs half; decode's tiles mostly do).
+      const bool idle =
+          t.valid && (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
+                                 : p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
       int previous = -1;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         if (idle) {
@@ -543,7 +555,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
         if (previous >= 0) release(previous);
       }
-      if (t.valid && !idle) store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.m_tile, t.n_block, math);
+      if (t.valid && !idle) store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.row, t.n_block, math);
     }
   }
   if constexpr (kCluster > 1) cute::cluster_sync();  // no block leaves while its peer may still signal it
