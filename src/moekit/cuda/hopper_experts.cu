@@ -178,6 +178,8 @@ __global__ void masked_tile_offsets_kernel(const int32_t* masked_m, int64_t grou
   tile_offsets[groups] = tiles;
 }
 
+// Clusters of two blocks sharing weight tiles (the default); MOEKIT_DEEPGEMM_CLUSTER=1 in the environment
+// runs clusters of one instead (read once; for comparing them).
 bool use_clusters() {
   static const bool on = !env_equals("MOEKIT_DEEPGEMM_CLUSTER", "1");
   return on;
