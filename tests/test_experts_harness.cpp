@@ -156,6 +156,11 @@ std::vector<HarnessCase> harness_cases() {
       add("every_expert", base(10, 4, 4));
       // Large enough that tiled and multi-threaded paths run: several tiles per expert in every dimension.
       add("large", sized(300, 160, 96, 16, 4, dtype, nc.config));
+      // I = 256: rows of whole 32-lane pieces in every dtype (batched_mm's flat down loads on CUDA),
+      // with sentinels and a token of sentinels only.
+      o = sized(5, 64, 256, 8, 4, dtype, nc.config);
+      o.sentinel_fraction = 0.3;
+      add("whole_pieces", o, {2});
     }
 
   // Quantised weights (DESIGN §3): FP8 with f32 and with ue8m0 scales, FP4; activations quantised on the fly.
