@@ -87,6 +87,8 @@ struct GemmParams {
   // those rows (masked_tile_offsets). Null: the contiguous layout, a tile's rows start at 128 * its index.
   const int32_t* masked_m = nullptr;
   int64_t masked_rows = 0;
+  // Contiguous layout: warpgroups whose rows are all padding (padded_pair < 0) skip their math.
+  bool idle_padding = false;
 };
 
 // One stage: the A tile, the B tile and (FP8) the A tile's 128 row scales, rounded up to the 1 KB
@@ -495,12 +497,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
       }
-      // Masked layout: a group's own rows come first in its block, so when this warpgroup's first row is
-      // at or past masked_m of its group, all its 64 rows are: it only passes the stages on, and the other
-      // warpgroup has the tensor cores to itself (a tile with at most 64 rows costs half; decode's do).
-      // The contiguous layout's padding would allow the same (measured: 2-5% at 32-64 tokens), but a
-      // stall seen once in a contiguous run with it could not be investigated yet, so it stays off there.
-      const bool idle = t.valid && p.masked_m && t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert];
+      // A group's own rows come first in its tiles, so when this warpgroup's first row is past them (masked:
+      // at or past masked_m of its group; contiguous: padding), all its 64 rows are: it only passes the
+      // stages on, and the other warpgroup has the tensor cores to itself (a tile with at most 64 rows
+      // costs half; decode's do). In the contiguous layout only with idle_padding (measured: 2-5% at 32-64
+      // tokens; off by default until a stall seen once in a contiguous run with it is explained).
+      const bool idle =
+          t.valid && (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
+                                 : p.idle_padding && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
       int previous = -1;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         if (idle) {
