@@ -139,11 +139,10 @@ Weights make_weights(const GemmShape& s, const std::string& format, int64_t max_
 GroupedGemmProblem make_problem(const GemmShape& s, const std::string& format, const Weights& w, int64_t groups,
                                 int64_t m, bool masked, uint64_t seed, Device device) {
   GroupedGemmProblem p;
-  Tensor offsets = contiguous_tile_offsets(std::vector<int64_t>(static_cast<std::size_t>(groups), m));
+  // Every group holds m rows, so group g starts at tile g * max_m / 128 in both layouts: the masked
+  // layout's rows are the contiguous one's, seen as [G, max_m, K].
+  const Tensor offsets = contiguous_tile_offsets(std::vector<int64_t>(static_cast<std::size_t>(groups), m));
   const int64_t max_m = (m + 127) / 128 * 128;
-  if (masked) {  // group g's block starts at tile g * max_m / 128, as if contiguous with max_m rows each
-    for (int64_t g = 0; g <= groups; ++g) offsets.data_as<int32_t>()[g] = static_cast<int32_t>(g * max_m / 128);
-  }
   const int32_t* o = offsets.data_as<int32_t>();
   const int64_t M = int64_t{o[groups]} * 128, K = s.k;
   Tensor x = Tensor::empty({m, K}, DType::f32);

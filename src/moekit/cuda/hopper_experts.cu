@@ -185,6 +185,13 @@ bool use_clusters() {
   return on;
 }
 
+// MOEKIT_HOPPER_IDLE_PADDING=1: the contiguous layout's all-padding warpgroups skip their math (measured
+// faster at 32-64 tokens; off until a stall seen once with it on is reproduced or ruled out). Read once.
+bool idle_padding() {
+  static const bool on = env_equals("MOEKIT_HOPPER_IDLE_PADDING", "1");
+  return on;
+}
+
 template <typename T, Epilogue kEpi, int kCluster, bool kGatherA, bool kFp8>
 void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
                     const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
@@ -319,10 +326,7 @@ void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int
   p.b_scale_rows = (N + 127) / 128;
   p.masked_m = j.masked_m;
   p.masked_rows = j.masked_rows;
-  // MOEKIT_HOPPER_IDLE_PADDING=1: padding warpgroups of the contiguous layout skip their math (measured
-  // faster at 32-64 tokens; off until a stall seen once with it on is reproduced or ruled out).
-  static const bool idle_padding = env_equals("MOEKIT_HOPPER_IDLE_PADDING", "1");
-  p.idle_padding = idle_padding;
+  p.idle_padding = idle_padding();
   // The gathering producer never reads the A map; it still gets a valid one (over the weights).
   const CUtensorMap a_map = kGatherA ? rows_map(j.weights, a.dtype, j.depth, 1) : rows_map(j.rows, operand, j.depth, M);
   const CUtensorMap s_map = kFp8 ? scales_map(j.row_scales, j.depth, M) : a_map;
