@@ -42,7 +42,7 @@ TEST(HopperDecodeChoice, StreamsFewPairsAboutOnePerExpert) {
   EXPECT_TRUE(cuda::hopper_decode_streams(sizes(1, 128, 8)));
   EXPECT_TRUE(cuda::hopper_decode_streams(sizes(16, 128, 8)));
   EXPECT_FALSE(cuda::hopper_decode_streams(sizes(17, 128, 8)));
-  EXPECT_FALSE(cuda::hopper_decode_streams(sizes(2, 8, 8)));   // 16 pairs on 8 experts: the grouped GEMM
+  EXPECT_FALSE(cuda::hopper_decode_streams(sizes(2, 8, 8)));    // 16 pairs on 8 experts: the grouped GEMM
   EXPECT_FALSE(cuda::hopper_decode_streams(sizes(0, 128, 8)));  // nothing to stream
   // FP8: at most 256 pairs and two per expert.
   EXPECT_TRUE(cuda::hopper_decode_streams(sizes(32, 128, 8, WeightFormat::fp8_e4m3)));
@@ -87,15 +87,16 @@ TEST_P(HopperDecodeCuda, MatchesReferenceOnEitherSideOfTheLimit) {
   Tensor out = test::poisoned_output(p, Device::cuda());
   experts_forward(p, c.backend, out);
   synchronize(Device::cuda());
-  const test::Comparison cmp = test::compare_with_reference(out.to(Device::cpu()), experts_reference(host),
-                                                            test::tolerance_for(o.dtype, c.fp8));
+  const test::Comparison cmp =
+      test::compare_with_reference(out.to(Device::cpu()), experts_reference(host), test::tolerance_for(o.dtype, c.fp8));
   EXPECT_TRUE(cmp.passed()) << cmp.summary();
 }
 
 // 32 experts, top 8: 2 tokens (16 pairs) stream in both formats; 6 tokens (48 pairs) only with FP8 (two
 // per expert); 12 tokens (96 pairs) in neither.
 INSTANTIATE_TEST_SUITE_P(Cases, HopperDecodeCuda,
-                         ::testing::Values(DecodeCase{"deepgemm", false, 2, true}, DecodeCase{"deepgemm", false, 6, false},
+                         ::testing::Values(DecodeCase{"deepgemm", false, 2, true},
+                                           DecodeCase{"deepgemm", false, 6, false},
                                            DecodeCase{"deepgemm", true, 2, true}, DecodeCase{"deepgemm", true, 6, true},
                                            DecodeCase{"deepgemm", true, 12, false},
                                            DecodeCase{"sonicmoe", false, 2, true},

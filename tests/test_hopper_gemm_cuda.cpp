@@ -43,8 +43,8 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there. K = 384 is 6 (bf16) or 3 (FP8)
   // pipeline stages, so the stage ring wraps around within a tile.
   // Masked: max_m = 384, and the last group's 400 rows count as its 384.
-  const std::vector<int64_t> rows_per_group = c.masked ? std::vector<int64_t>{100, 0, 257, 128, 400}
-                                                       : std::vector<int64_t>{100, 0, 257, 128, 1};
+  const std::vector<int64_t> rows_per_group =
+      c.masked ? std::vector<int64_t>{100, 0, 257, 128, 400} : std::vector<int64_t>{100, 0, 257, 128, 1};
   const auto G = static_cast<int64_t>(rows_per_group.size());
   const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
   const int64_t N = c.fp8 && gated ? 512 : 384, K = 384, max_m = 384;
@@ -143,17 +143,18 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, HopperGroupedGemmCuda,
-                         ::testing::Values(GemmCase{"bf16_store", false, DType::f32, GroupedGemmEpilogue::store},
-                                           GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
-                                           GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
-                                           GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
-                                           GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu},
-                                           GemmCase{"masked_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, true},
-                                           GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, true},
-                                           GemmCase{"masked_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, true},
-                                           GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true}),
-                         [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Formats, HopperGroupedGemmCuda,
+    ::testing::Values(GemmCase{"bf16_store", false, DType::f32, GroupedGemmEpilogue::store},
+                      GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
+                      GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
+                      GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
+                      GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu},
+                      GemmCase{"masked_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, true},
+                      GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, true},
+                      GemmCase{"masked_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, true},
+                      GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true}),
+    [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
 
 // The boundary checks answer before any work, with the reason (no GPU needed: a CPU tensor is refused
 // for its device, and a malformed problem on a Hopper GPU for its shapes).

@@ -64,8 +64,9 @@ Support hopper_grouped_gemm_supports_device(Device device) {
 Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
   const std::string who(kWho);
   if (!p.rows.defined() || !p.weights.defined() || p.tile_offsets.defined() == p.masked_m.defined())
-    return Support::no(who + " needs rows, weights and either tile_offsets (the contiguous layout) or masked_m (the "
-                             "masked one), not both");
+    return Support::no(who +
+                       " needs rows, weights and either tile_offsets (the contiguous layout) or masked_m (the "
+                       "masked one), not both");
   if (Support s = hopper_grouped_gemm_supports_device(p.rows.device()); !s) return s;
   const bool q = fp8(p);
   const DType operand = q ? DType::f8_e4m3 : DType::bf16;

@@ -371,7 +371,6 @@ __global__ void __launch_bounds__(256) down_cols_kernel(const ExpertsArgs a, con
     static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out_acc);
 }
 
-
 // ---------------------------------------------------------------------------------------------------
 // Block-quantised weights (DESIGN §3): FP8 e4m3 with 128 x 128 block scales, FP4 e2m1 pairs with a ue8m0
 // scale per 32 values. The activations are quantised first, per row and 128-wide group, into a float
@@ -621,20 +620,21 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
     const int64_t columns_per_pair = a.has_gate ? a.intermediate : (a.intermediate + 1) / 2;
     MOEKIT_CHECK((columns_per_pair + kWarps - 1) / kWarps <= 65535, "batched_mm on CUDA: intermediate size ",
                  a.intermediate, " is too large for one launch");
-    up_stream_kernel<T><<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((columns_per_pair + kWarps - 1) / kWarps)),
-                          kWarps * 32, 0, stream>>>(a, hidden);
+    up_stream_kernel<T>
+        <<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((columns_per_pair + kWarps - 1) / kWarps)), kWarps * 32,
+           0, stream>>>(a, hidden);
   } else {
     allow_dynamic_shared_memory(reinterpret_cast<const void*>(up_rows_kernel<T>), x_bytes);
-    up_rows_kernel<T><<<dim3(static_cast<unsigned>(P),
-                             static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
-                        kWarps * 32, x_bytes, stream>>>(a, hidden);
+    up_rows_kernel<T>
+        <<<dim3(static_cast<unsigned>(P), static_cast<unsigned>((a.intermediate + kColsPerBlock - 1) / kColsPerBlock)),
+           kWarps * 32, x_bytes, stream>>>(a, hidden);
   }
   MOEKIT_CUDA_CHECK_LAUNCH();
   if (!stream_down) {
     constexpr int kDownPerBlock = kWarps * kDownRows;
-    down_rows_kernel<T><<<dim3(static_cast<unsigned>(a.tokens),
-                               static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
-                          kWarps * 32, 0, stream>>>(a, hidden);
+    down_rows_kernel<T>
+        <<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kDownPerBlock - 1) / kDownPerBlock)),
+           kWarps * 32, 0, stream>>>(a, hidden);
     MOEKIT_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -643,7 +643,8 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   // of weights before waiting for the hidden rows.
   MOEKIT_CHECK(a.top_k * kStreamRows * sizeof(float) <= 48 * 1024, "batched_mm: top_k = ", a.top_k, " is too large");
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kStreamRows - 1) / kStreamRows));
+  config.gridDim =
+      dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>((a.hidden + kStreamRows - 1) / kStreamRows));
   config.blockDim = dim3(32 * static_cast<unsigned>(std::min<int64_t>(a.top_k, kStreamDownWarps)));
   config.dynamicSmemBytes = static_cast<std::size_t>(a.top_k) * kStreamRows * sizeof(float);
   config.stream = stream;

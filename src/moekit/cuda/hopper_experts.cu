@@ -9,8 +9,9 @@
 //             weight; the combine adds the k rows of each token in order.
 // deepgemm also runs FP8 e4m3 weights with 128 x 128 block scales (f32 or ue8m0) when H and I are
 // multiples of 128: each token's row is quantised once per 1 x 128 group, and its codes and scales are
-// copied to its padded rows (the scales stored K-block-major, [H / 128, rows], for the copy engine), the first GEMM writes the activated
-// intermediate in float, a pass quantises it the same way, and the second GEMM reads it in e4m3;
+// copied to its padded rows (the scales stored K-block-major, [H / 128, rows], for the copy engine); the
+// first GEMM writes the activated intermediate in float, a pass quantises it the same way, and the second
+// GEMM reads it in e4m3;
 // the GEMMs take 128-wide weight tiles and apply the scales per 128-deep block.
 // The combine is grouped_mm's (pairs added in k order, in float), so results are deterministic.
 // Both projections go through run_projection, which hopper_grouped_gemm (hopper_gemm.h) also calls to
@@ -128,7 +129,7 @@ void quantize_rows(const S* v, int64_t width, int64_t rows, const int32_t* tile_
   const dim3 grid(static_cast<unsigned>(std::clamp<int64_t>(rows, 1, 65535)),
                   static_cast<unsigned>((groups + warps - 1) / warps));
   quantize_rows_kernel<S><<<grid, static_cast<unsigned>(warps * 32), 0, stream>>>(v, width, rows, tile_offsets, experts,
-                                                                    power_of_two, q, scales, scale_rows);
+                                                                                  power_of_two, q, scales, scale_rows);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -485,7 +486,8 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
   int32_t* masked_offsets = nullptr;
   if (g.masked_m) {
     MOEKIT_CHECK(g.max_m > 0 && g.max_m % kBlockM == 0 && g.max_tiles * kBlockM == g.groups * g.max_m,
-                 "the Hopper grouped GEMM: the masked layout needs max_m a positive multiple of 128 and max_tiles = G * max_m / 128");
+                 "the Hopper grouped GEMM: the masked layout needs max_m a positive multiple of 128 and max_tiles = G "
+                 "* max_m / 128");
     MOEKIT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&masked_offsets),
                                       static_cast<std::size_t>(g.groups + 1) * sizeof(int32_t), stream));
     masked_tile_offsets_kernel<<<1, 1, 0, stream>>>(g.masked_m, g.groups, g.max_m, masked_offsets);

@@ -16,10 +16,10 @@ enum class HopperGemmEpilogue : uint8_t {
                // projection): bf16, or float with FP8 operands (the layer quantises that float afterwards)
 };
 
-// rows [M, K] @ weights [G, N, K]^T -> out, rows grouped in DeepGEMM's contiguous layout (or its masked one): group g owns
-// the 128-row tiles [tile_offsets[g], tile_offsets[g + 1]) of rows and out, and each tile is multiplied
-// by weights[g]. Rows of a tile past its group's own rows (padding) produce rows that mean nothing.
-// bf16: K and N multiples of 8 (gated: N / 2); FP8: K and N multiples of 128.
+// rows [M, K] @ weights [G, N, K]^T -> out, rows grouped in DeepGEMM's contiguous layout (or its masked
+// one, below): group g owns the 128-row tiles [tile_offsets[g], tile_offsets[g + 1]) of rows and out, and
+// each tile is multiplied by weights[g]. Rows of a tile past its group's own rows (padding) produce rows
+// that mean nothing. bf16: K and N multiples of 8 (gated: N / 2); FP8: K and N multiples of 128.
 struct HopperGemmArgs {
   int64_t groups = 0, n = 0, k = 0;
   int64_t max_tiles = 0;                  // 128-row tiles that rows and out hold (>= tile_offsets[groups])

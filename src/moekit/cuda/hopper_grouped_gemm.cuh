@@ -25,13 +25,13 @@
 #pragma once
 
 #include <cuda.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
 #include <type_traits>
 #include <utility>
 
@@ -47,12 +47,12 @@
 
 namespace moekit::cuda::hopper {
 
-constexpr int kBlockM = 128;     // rows per tile: the contiguous layout's padding unit
-constexpr int kRowBytes = 128;   // one 128-byte swizzle row of K per stage: 64 bf16/f16 or 128 e4m3
+constexpr int kBlockM = 128;    // rows per tile: the contiguous layout's padding unit
+constexpr int kRowBytes = 128;  // one 128-byte swizzle row of K per stage: 64 bf16/f16 or 128 e4m3
 // Elements of K per stage; for FP8 also the block of the weight and activation scales.
 template <bool kFp8>
 constexpr int kStageK = kFp8 ? 128 : 64;
-constexpr int kMathGroups = 2;   // math warpgroups, 64 rows each
+constexpr int kMathGroups = 2;  // math warpgroups, 64 rows each
 constexpr int kThreads = 128 * (1 + kMathGroups);
 
 // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64,512 of the 65,536.
@@ -254,7 +254,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
         }
         // SiLU, the common case, inline (activate's arithmetic); the others through the call.
         const float2 h = is_silu ? make_float2(silu(g0) * u0, silu(g1) * u1)
-                              : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
+                                 : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
         if constexpr (kPacked)
           words[k] = pack2<O>(h.x, h.y);
         else if (j < p.outputs)
@@ -365,17 +365,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t first = expert_of_from(p.tile_offsets, experts, pair * kCluster, hint);
       hint = first;
       if constexpr (kCluster > 1) {
-        const int64_t second = pair * kCluster + 1 < m_tiles
-                                   ? expert_of_from(p.tile_offsets, experts, pair * kCluster + 1, first)
-                                   : -1;
+        const int64_t second =
+            pair * kCluster + 1 < m_tiles ? expert_of_from(p.tile_offsets, experts, pair * kCluster + 1, first) : -1;
         t.expert = static_cast<int>(rank == 0 ? first : second >= 0 ? second : 0);
         t.multicast = second == first;
       } else {
         t.expert = static_cast<int>(first);
       }
     }
-    t.row = p.masked_m ? t.expert * p.masked_rows + (t.m_tile - p.tile_offsets[t.expert]) * kBlockM
-                       : t.m_tile * kBlockM;
+    t.row =
+        p.masked_m ? t.expert * p.masked_rows + (t.m_tile - p.tile_offsets[t.expert]) * kBlockM : t.m_tile * kBlockM;
     return t;
   };
 
@@ -416,8 +415,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < 8; ++i) {
               const int r = first_row + 16 * i;  // r % 8 == first_row % 8: the 128-byte swizzle's row phase
               const bool ok = token[i] >= 0 && col < p.a.hidden;
-              cp_async16_zfill(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16), ok ? x + token[i] * p.a.hidden + col : x,
-                               ok);
+              cp_async16_zfill(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16),
+                               ok ? x + token[i] * p.a.hidden + col : x, ok);
             }
             cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
             if (threadIdx.x != 0) {
@@ -429,8 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             TxBarrier::arrive_and_expect_tx(&full[stage], kABytes + 2 * kHalfBytes + (kFp8 ? kBlockM * 4 : 0));
             cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.row));
             if constexpr (kFp8)
-              cute::SM90_TMA_LOAD_2D::copy(&s_map, &full[stage], kHint, sa + kScaleOffset, static_cast<int>(t.row),
-                                           kb);
+              cute::SM90_TMA_LOAD_2D::copy(&s_map, &full[stage], kHint, sa + kScaleOffset, static_cast<int>(t.row), kb);
           }
           // Half h of the weight tile: gated, the gate (h = 0) or up (h = 1) rows of the block's columns;
           // otherwise rows h * 128 onwards of its 256.
@@ -440,7 +438,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int c1 = p.interleaved ? part : n, c2 = p.interleaved ? n : part;
             uint8_t* dst = sb + h * kHalfBytes;
             if (multicast)
-              cute::SM90_TMA_LOAD_MULTICAST_4D::copy(&b_map, &full[stage], uint16_t{0x3}, kHint, dst, k, c1, c2, t.expert);
+              cute::SM90_TMA_LOAD_MULTICAST_4D::copy(&b_map, &full[stage], uint16_t{0x3}, kHint, dst, k, c1, c2,
+                                                     t.expert);
             else
               cute::SM90_TMA_LOAD_4D::copy(&b_map, &full[stage], kHint, dst, k, c1, c2, t.expert);
           };
@@ -487,7 +486,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int h = 0; h < 2; ++h) {
           int64_t first;  // the half's first weight row
           if (kEpi == Epilogue::gated_activation)
-            first = p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows : h * p.a.intermediate + int64_t{t.n_block} * kHalfRows;
+            first = p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows
+                                  : h * p.a.intermediate + int64_t{t.n_block} * kHalfRows;
           else
             first = int64_t{t.n_block} * BN + h * kHalfRows;
           const int64_t index = (t.expert * p.b_scale_rows + first / 128) * p.k_blocks;
@@ -502,9 +502,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // stages on, and the other warpgroup has the tensor cores to itself (a tile with at most 64 rows
       // costs half; decode's do). In the contiguous layout only with idle_padding (measured: 2-5% at 32-64
       // tokens; off by default until a stall seen once in a contiguous run with it is explained).
-      const bool idle =
-          t.valid && (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
-                                 : p.idle_padding && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
+      const bool idle = t.valid && (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
+                                               : p.idle_padding && p.padded_pair &&
+                                                     p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
       int previous = -1;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         if (idle) {
