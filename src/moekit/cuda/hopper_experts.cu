@@ -186,10 +186,11 @@ bool use_clusters() {
   return on;
 }
 
-// MOEKIT_HOPPER_IDLE_PADDING=1: the contiguous layout's all-padding warpgroups skip their math (measured
-// faster at 32-64 tokens; off until a stall seen once with it on is reproduced or ruled out). Read once.
+// The contiguous layout's all-padding warpgroups skip their math (measured 10-12% faster at 64 tokens);
+// MOEKIT_HOPPER_IDLE_PADDING=0 in the environment makes them compute their padding rows (for comparing).
+// Read once.
 bool idle_padding() {
-  static const bool on = env_equals("MOEKIT_HOPPER_IDLE_PADDING", "1");
+  static const bool on = !env_equals("MOEKIT_HOPPER_IDLE_PADDING", "0");
   return on;
 }
 
