@@ -11,6 +11,9 @@
 # ncu: each kernel's GPU time in one call of each case of NCU_CASES (';'-separated `moekit bench` arguments,
 # one backend and one token count each), from Nsight Compute with the clocks left alone; kernels run one
 # at a time under ncu, so programmatic-launch overlap is not in these numbers.
+# profile: Nsight Compute on the Hopper GEMM alone, one launch per case of PROFILE_CASES (';'-separated `moekit
+# bench-gemm` arguments): throughputs and warp stalls (profile_N.txt), and stall samples per SASS instruction
+# (profile_N_sass.csv) for reading where the math warps wait.
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -74,6 +77,23 @@ for r in body:
 print(f"{total:10.1f} us  total")
 PY
   done 2>&1 | tee "$out/ncu.log"
+fi
+if [[ $what == profile ]]; then
+  IFS=';' read -ra cases <<<"${PROFILE_CASES:---shapes deepseek-v3 --projections down --rows-per-expert 512 --format fp8 --epilogue store}"
+  for i in "${!cases[@]}"; do
+    echo "== ${cases[$i]}"
+    # shellcheck disable=SC2086
+    ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
+      -f -o "$out/profile_$i" ./gpu-bundle/moekit bench-gemm --device cuda --warmup 1 --repeats 1 --json '' ${cases[$i]} \
+      >"$out/profile_$i.log" 2>&1
+    tail -3 "$out/profile_$i.log"; rm -f "$out/profile_$i.log"
+    ncu -i "$out/profile_$i.ncu-rep" --page details >"$out/profile_$i.txt" 2>&1
+    ncu -i "$out/profile_$i.ncu-rep" --page source --csv --print-source sass >"$out/profile_${i}_sass.csv" 2>&1
+    grep -E "Duration|Throughput|gmma|Issue Slots|Warp Cycles Per Issued|No Eligible|Active Warps" "$out/profile_$i.txt" | head -30
+    rm -f "$out/profile_$i.ncu-rep"
+  done 2>&1 | tee "$out/profile.log"
 fi
 if [[ $what == sass || $what == all ]]; then
   cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 -E "hopper|tensor_core" | grep -E "Function|REG" |

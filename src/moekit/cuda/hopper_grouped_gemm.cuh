@@ -500,6 +500,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         Barrier::arrive(&empty[s]);
       }
     };
+    // Stage 0's operand descriptors and row scales, once: a stage's are these plus its offset (the start
+    // address field holds the shared address / 16, below 2^14, so adding to the whole descriptor is exact).
+    // Rebuilding them from pointers every stage put ~20 dependent instructions in front of each wgmma batch.
+    const uint64_t desc_a0 = smem_descriptor(smem + math * 64 * kRowBytes), desc_b0 = smem_descriptor(smem + kABytes);
+    const uint32_t row_scales0 =
+        cute::cast_smem_ptr_to_uint(smem + kScaleOffset) + 4 * (math * 64 + acc_row(warp, lane, 0));
     int64_t hint = 0;
     for (int64_t unit = first_unit; unit < units; unit += unit_step) {
       const Tile t = tile_of(unit, hint);
@@ -507,6 +513,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
       // FP8: where the block scales of the tile's two weight halves start (their 128-row blocks).
       const void* scale_base[2] = {nullptr, nullptr};
+      float b_next[2] = {1.0f, 1.0f};
       if constexpr (kFp8) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -522,6 +529,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+        b_next[0] = block_scale_at(p.a, scale_base[0], 0);
+        b_next[1] = block_scale_at(p.a, scale_base[1], 0);
       }
       // A group's own rows come first in its tiles, so when this warpgroup's first row is past them (masked:
       // at or past masked_m of its group; contiguous: padding), all its 64 rows are: it only passes the
@@ -543,37 +552,47 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (++stage == kStages) stage = 0, phase ^= 1;
           continue;
         }
+        // FP8: this block's weight scales were loaded a block ago (b_next); load the next block's now, so
+        // their latency is never in front of the promotion.
         float b_scale[2] = {1.0f, 1.0f};
-        if constexpr (kFp8) {  // read before the wait, so the loads overlap it
-          b_scale[0] = block_scale_at(p.a, scale_base[0], kb);
-          b_scale[1] = block_scale_at(p.a, scale_base[1], kb);
+        if constexpr (kFp8) {
+          b_scale[0] = b_next[0], b_scale[1] = b_next[1];
+          const int next = kb + 1 < p.k_blocks ? kb + 1 : kb;
+          b_next[0] = block_scale_at(p.a, scale_base[0], next);
+          b_next[1] = block_scale_at(p.a, scale_base[1], next);
         }
         wait_stage(&full[stage], phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
         // Rows gathered by cp.async were written through the generic proxy; wgmma reads through the async one.
         if constexpr (kGatherA) cutlass::arch::fence_view_async_shared();
-        const uint8_t* sa = smem + stage * kStageBytes + math * 64 * kRowBytes;
-        const uint8_t* sb = smem + stage * kStageBytes + kABytes;
+        // FP8: the two rows' activation scales, read from the stage before it can be released, and their
+        // products with the weight scales formed while the wgmma batch runs.
+        float scale[2][2];
+        if constexpr (kFp8) {
+          const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
+          float a_scale[2];
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
+#pragma unroll
+          for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b_scale[0], scale[r][1] = a_scale[r] * b_scale[1];
+        }
+        const uint64_t stage_offset = static_cast<uint64_t>(stage * kStageBytes) >> 4;
         float* target = kFp8 ? part : acc;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(target[i]);
         cute::warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes of K per wgmma: k16 (2-byte) or k32 (e4m3)
-          wgmma<Op>(smem_descriptor(sa + kk * 32), smem_descriptor(sb + kk * 32), target,
+          wgmma<Op>(desc_a0 + stage_offset + 2 * kk, desc_b0 + stage_offset + 2 * kk, target,
                     kFp8 ? kk > 0 : (kb > 0 || kk > 0), std::make_index_sequence<BN / 2>{});
         cute::warpgroup_commit_batch();
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(target[i]);
         if constexpr (kFp8) {
-          // The block's products are needed now: wait for them, take the two rows' scales, free the stage.
+          // The block's products are needed now: wait for them, free the stage, promote.
           cute::warpgroup_wait<0>();
-          const float* row_scales = reinterpret_cast<const float*>(smem + stage * kStageBytes + kScaleOffset);
-          const float a_scale[2] = {row_scales[math * 64 + acc_row(warp, lane, 0)],
-                                    row_scales[math * 64 + acc_row(warp, lane, 2)]};
           release(stage);
 #pragma unroll
-          for (int i = 0; i < BN / 2; ++i)
-            acc[i] = fmaf(part[i], a_scale[(i >> 1) & 1] * b_scale[i < BN / 4 ? 0 : 1], acc[i]);
+          for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < BN / 4 ? 0 : 1], acc[i]);
         } else {
           // One batch stays in flight: wait for the previous k block's products, then free its stage.
           cute::warpgroup_wait<1>();
