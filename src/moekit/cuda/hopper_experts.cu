@@ -40,11 +40,12 @@ using hopper::Epilogue;
 using hopper::kBlockM;
 
 // Weight rows per column block (gated: half gate, half up rows) and pipeline depth: bf16 4 x 48 KB,
-// FP8 (whose second set of accumulators takes the registers of a wider tile) 6 x 33 KB.
+// FP8 (whose second set of accumulators takes the registers of a wider tile) 6 x 33 KB, or 5 beside the
+// two 17 KB buffers through which its second projection's epilogue is stored.
 template <bool kFp8>
 constexpr int kTileN = kFp8 ? 128 : 256;
-template <bool kFp8>
-constexpr int kStages = kFp8 ? 6 : 4;
+template <bool kFp8, Epilogue kEpi>
+constexpr int kStages = !kFp8 ? 4 : hopper::staged_epilogue<kFp8, kEpi>() ? 5 : 6;
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;
@@ -198,8 +199,8 @@ template <typename T, Epilogue kEpi, int kCluster, bool kGatherA, bool kFp8>
 void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
                     const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
   constexpr int BN = kTileN<kFp8>;
-  auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kStages<kFp8>, kCluster, kGatherA, kFp8>;
-  constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kStages<kFp8>, kFp8>();
+  auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kStages<kFp8, kEpi>, kCluster, kGatherA, kFp8>;
+  constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kStages<kFp8, kEpi>, kFp8, kEpi>();
   static_assert(smem <= 227 * 1024, "the pipeline does not fit in shared memory");
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};

@@ -123,10 +123,37 @@ template <int BN, bool kFp8>
 constexpr int stage_bytes() {
   return ((kBlockM + BN) * kRowBytes + (kFp8 ? kBlockM * 4 : 0) + 1023) / 1024 * 1024;
 }
-template <int BN, int kStages, bool kFp8>
+// FP8's second projection (staged_epilogue): each math warpgroup hands its finished 64 rows to the producer
+// warpgroup's idle warps through a buffer of its own, rows of 256 bytes (128 bf16 outputs) padded to 272
+// so that the quad-per-row stores of a warp hit 32 different banks.
+constexpr int kStagedPitch = 256 + 16;
+constexpr int kStagedBytes = 64 * kStagedPitch;
+// Only the FP8 second projection stages its rows: measured (GEMM alone, FP8, m 512) DeepSeek-V3 down 697 ->
+// 761-784 TFLOP/s and Qwen3 down 418 -> 523, but the gated first projection (float rows) 814 -> 732-736.
+template <bool kFp8, Epilogue kEpi>
+constexpr bool staged_epilogue() {
+  return kFp8 && kEpi == Epilogue::store_rows;
+}
+template <bool kFp8, Epilogue kEpi>
+constexpr int staged_epilogue_bytes() {
+  return staged_epilogue<kFp8, kEpi>() ? kMathGroups * kStagedBytes : 0;
+}
+template <int BN, int kStages, bool kFp8, Epilogue kEpi>
 constexpr std::size_t gemm_smem_bytes() {
-  // Stages, 1 KB for aligning them to the swizzle atom, and the full/empty barriers.
-  return static_cast<std::size_t>(kStages) * stage_bytes<BN, kFp8>() + 1024 + 2 * kStages * 8;
+  // Stages, 1 KB for aligning them to the swizzle atom, the staging buffers, and the full/empty barriers.
+  return static_cast<std::size_t>(kStages) * stage_bytes<BN, kFp8>() + 1024 + staged_epilogue_bytes<kFp8, kEpi>() +
+         2 * kStages * 8;
+}
+
+// Named barriers (id 0 is __syncthreads): 1 + math, an idle warpgroup's warps; 3 + math, "warpgroup
+// math's rows are staged"; 5 + math, "its buffer is free again". The last two join the warpgroup's 128
+// threads and the 96 copying threads (warps 1-3 of the producer warpgroup).
+constexpr int kCopyThreads = 96;
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <typename T, int N>
@@ -253,9 +280,23 @@ __device__ __forceinline__ void row_weights(const GemmParams& p, int64_t m_tile,
   }
 }
 
-template <typename T, typename O, int BN, Epilogue kEpi>
+// Two adjacent outputs of row `row` (0-63), column `col` of a warpgroup's staging buffer.
+template <typename O>
+__device__ __forceinline__ void stage_pair(uint8_t* staged, int row, int col, float2 v) {
+  uint8_t* at = staged + row * kStagedPitch + col * static_cast<int>(sizeof(O));
+  if constexpr (std::is_same_v<O, float>)
+    *reinterpret_cast<float2*>(at) = v;
+  else
+    *reinterpret_cast<uint32_t*>(at) = pack2<O>(v.x, v.y);
+}
+
+// The epilogue of one warpgroup's 64 rows: into out, or (kStaged; not gated) into its staging buffer
+// `staged`, whose rows copy_staged then stores.
+template <typename T, typename O, int BN, Epilogue kEpi, bool kStaged = false>
 __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, const float (&weight)[2],
-                                               int64_t expert, int64_t tile_row, int n_block, int math) {
+                                               int64_t expert, int64_t tile_row, int n_block, int math,
+                                               uint8_t* staged = nullptr) {
+  static_assert(!(kStaged && kEpi == Epilogue::gated_activation), "only the second projection is staged");
   const ExpertsArgs& a = p.a;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int64_t row_base = tile_row + math * 64;
@@ -311,14 +352,34 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
           const float w = weight[k & 1];
           v = make_float2(v0 * w, v1 * w);
         }
-        if constexpr (kPacked)
+        if constexpr (kStaged)
+          stage_pair<O>(staged, acc_row(warp, lane, i), acc_col(lane, i), v);
+        else if constexpr (kPacked)
           words[k] = pack2<O>(v.x, v.y);
         else if (j < p.outputs)
           store_pair(static_cast<O*>(p.out) + (row_base + acc_row(warp, lane, i)) * p.outputs + j, v);
       }
-      if constexpr (kPacked)
+      if constexpr (kPacked && !kStaged)
         store_group_pair(static_cast<O*>(p.out), p.outputs, row_base, col_base, p.outputs, m, words, warp, lane);
     }
+  }
+}
+
+// The copying warps' half of a staged epilogue: warpgroup math's 64 rows of the tile, 16 bytes a thread,
+// from its staging buffer to out (columns past `outputs`, a multiple of 8, are not stored).
+template <typename O, int kCols>
+__device__ __forceinline__ void copy_staged(const GemmParams& p, const uint8_t* staged, int64_t tile_row, int math,
+                                            int64_t col_base, int copier) {
+  constexpr int kChunks = kCols * static_cast<int>(sizeof(O)) / 16, kPerChunk = 16 / static_cast<int>(sizeof(O));
+  static_assert(kChunks * 16 <= kStagedPitch - 16, "a staged row holds 256 bytes");
+  O* out = static_cast<O*>(p.out);
+#pragma unroll 4
+  for (int c = copier; c < 64 * kChunks; c += kCopyThreads) {
+    const int r = c / kChunks, chunk = c % kChunks;
+    const int64_t col = col_base + chunk * kPerChunk;
+    if (col < p.outputs)
+      *reinterpret_cast<uint4*>(out + (tile_row + math * 64 + r) * p.outputs + col) =
+          *reinterpret_cast<const uint4*>(staged + r * kStagedPitch + chunk * 16);
   }
 }
 
@@ -349,7 +410,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kK = kStageK<kFp8>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  // FP8's second projection: the math warpgroups stage their finished rows for warps 1-3 of the producer
+  // warpgroup to store, and go on to their next tile (the epilogue otherwise took ~23% of their time, with
+  // the tensor cores idle).
+  constexpr bool kStaged = staged_epilogue<kFp8, kEpi>();
+  uint8_t* staged = smem + kStages * kStageBytes;
+  auto* full = reinterpret_cast<uint64_t*>(staged + staged_epilogue_bytes<kFp8, kEpi>());
   uint64_t* empty = full + kStages;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -403,6 +469,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         p.masked_m ? t.expert * p.masked_rows + (t.m_tile - p.tile_offsets[t.expert]) * kBlockM : t.m_tile * kBlockM;
     return t;
   };
+  // A group's own rows come first in its tiles, so when math warpgroup `math`'s first row is past them
+  // (masked: at or past masked_m of its group; contiguous: padding), all its 64 rows are: it only passes the
+  // stages on, and the other warpgroup has the tensor cores to itself (a tile with at most 64 rows costs
+  // half; decode's do). In the contiguous layout with idle_padding (the default; measured 10-12% faster at
+  // 64 tokens).
+  auto idle_of = [&](const Tile& t, int math) {
+    return t.valid && (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
+                                  : p.idle_padding && p.padded_pair &&
+                                        p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
+  };
+  constexpr int kOutCols = kEpi == Epilogue::gated_activation ? BN / 2 : BN;
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
@@ -479,6 +556,26 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if constexpr (kStaged && !kGatherA) {
+      if (threadIdx.x >= 32) {  // warps 1-3: store the rows the math warpgroups stage, tile by tile
+        const int copier = threadIdx.x - 32;
+#pragma unroll
+        for (int m = 0; m < kMathGroups; ++m) named_arrive(5 + m, 128 + kCopyThreads);  // both buffers free
+        int64_t hint = 0;
+        for (int64_t unit = first_unit; unit < units; unit += unit_step) {
+          const Tile t = tile_of(unit, hint);
+          if (!t.valid) continue;
+          const int64_t col_base = int64_t{t.n_block} * kOutCols;
+#pragma unroll
+          for (int m = 0; m < kMathGroups; ++m) {
+            if (idle_of(t, m)) continue;
+            named_sync(3 + m, 128 + kCopyThreads);
+            copy_staged<Out, kOutCols>(p, staged + m * kStagedBytes, t.row, m, col_base, copier);
+            named_arrive(5 + m, 128 + kCopyThreads);
+          }
+        }
+      }
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
     using Op = typename WgmmaOp<In, BN>::type;
@@ -532,14 +629,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         b_next[0] = block_scale_at(p.a, scale_base[0], 0);
         b_next[1] = block_scale_at(p.a, scale_base[1], 0);
       }
-      // A group's own rows come first in its tiles, so when this warpgroup's first row is past them (masked:
-      // at or past masked_m of its group; contiguous: padding), all its 64 rows are: it only passes the
-      // stages on, and the other warpgroup has the tensor cores to itself (a tile with at most 64 rows
-      // costs half; decode's do). In the contiguous layout with idle_padding (the default; measured 10-12%
-      // faster at 64 tokens).
-      const bool idle = t.valid && (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
-                                               : p.idle_padding && p.padded_pair &&
-                                                     p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
+      const bool idle = idle_of(t, math);
       int previous = -1;
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         if (idle) {
@@ -607,8 +697,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
         if (previous >= 0) release(previous);
       }
-      if (t.valid && !idle) store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.row, t.n_block, math);
+      if (t.valid && !idle) {
+        if constexpr (kStaged) {
+          named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's rows
+          store_epilogue<T, Out, BN, kEpi, true>(p, acc, weight, t.expert, t.row, t.n_block, math,
+                                                 staged + math * kStagedBytes);
+          named_arrive(3 + math, 128 + kCopyThreads);
+        } else {
+          store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.row, t.n_block, math);
+        }
+      }
     }
+    if constexpr (kStaged) named_sync(5 + math, 128 + kCopyThreads);  // takes the copiers' last "free"
   }
   if constexpr (kCluster > 1) cute::cluster_sync();  // no block leaves while its peer may still signal it
 #else
