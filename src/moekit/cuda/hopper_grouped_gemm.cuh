@@ -19,7 +19,12 @@
 // With masked_m set (the masked layout), a tile's rows start inside its group's block of rows.
 // kFp8 (deepgemm's FP8 experts): e4m3 operands with block scales, promoted per 128-deep block (see the
 // kernel); the first projection's epilogue then stores float, which a separate pass quantises.
-// Epilogues with 2-byte outputs store 16-byte row pieces (store_group_pair).
+// Epilogues with 2-byte outputs store 16-byte row pieces (store_group_pair); FP8's store_rows epilogue
+// instead writes each warpgroup's rows to a shared-memory buffer and goes on to its next tile while warps
+// 1-3 of the producer warpgroup copy them out (staged_epilogue, named barriers 3-6).
+// A math warpgroup whose rows are all padding (or past masked_m) issues no wgmma: its warps only pass the
+// stages on, meeting at a named barrier before each release (1 + math) so that none drifts behind.
+// Built with MOEKIT_HOPPER_WATCHDOG=1, a pipeline wait that lasts seconds reports where it is and traps.
 // CUTLASS/CuTe supply the instruction wrappers (TMA copies, mbarriers, wgmma, register
 // reconfiguration); the schedule, the fused epilogues and the layouts are ours.
 #pragma once
