@@ -45,7 +45,12 @@ using hopper::kBlockM;
 template <bool kFp8>
 constexpr int kTileN = kFp8 ? 128 : 256;
 template <bool kFp8, Epilogue kEpi>
-constexpr int kStages = !kFp8 ? 4 : hopper::staged_epilogue<kFp8, kEpi>() ? 5 : 6;
+constexpr int pipeline_stages() {
+  if (!kFp8) return 4;
+  return hopper::staged_epilogue<kFp8, kEpi>() ? 5 : 6;
+}
+template <bool kFp8, Epilogue kEpi>
+constexpr int kStages = pipeline_stages<kFp8, kEpi>();
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;

@@ -84,10 +84,11 @@ __device__ __forceinline__ void wait_stage(uint64_t* bar, uint32_t phase, [[mayb
   const long long start = clock64();
   while (!cutlass::arch::ClusterBarrier::try_wait(bar, phase)) {
     if (clock64() - start > 8000000000LL) {
-      printf("moekit watchdog: block %d thread %d stuck on %s: unit %lld kb %d stage %d phase %u m_tile %lld "
-             "expert %d flags %d\n",
-             static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), what, static_cast<long long>(unit), kb, stage,
-             phase, static_cast<long long>(m_tile), expert, flags);
+      printf(
+          "moekit watchdog: block %d thread %d stuck on %s: unit %lld kb %d stage %d phase %u m_tile %lld "
+          "expert %d flags %d\n",
+          static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), what, static_cast<long long>(unit), kb, stage,
+          phase, static_cast<long long>(m_tile), expert, flags);
       __trap();
     }
   }
@@ -480,9 +481,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // half; decode's do). In the contiguous layout with idle_padding (the default; measured 10-12% faster at
   // 64 tokens).
   auto idle_of = [&](const Tile& t, int math) {
-    return t.valid && (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
-                                  : p.idle_padding && p.padded_pair &&
-                                        p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
+    return t.valid &&
+           (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
+                       : p.idle_padding && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
   };
   constexpr int kOutCols = kEpi == Epilogue::gated_activation ? BN / 2 : BN;
 
