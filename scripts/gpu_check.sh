@@ -2,7 +2,7 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|profile|stress|all]   (default all); results under $OUT if set.
 # decode: batched_mm at 1 and 8 tokens with graphs, bf16 / FP8 / FP4 weights, the quantised ones through the
 # tensor-core path and through the older kernels (MOEKIT_BATCHED_MM_TENSOR_CORES=0), in one lease.
 # gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
@@ -14,6 +14,9 @@
 # profile: Nsight Compute on the Hopper GEMM alone, one launch per case of PROFILE_CASES (';'-separated `moekit
 # bench-gemm` arguments): throughputs and warp stalls (profile_N.txt), and stall samples per SASS instruction
 # (profile_N_sass.csv) for reading where the math warps wait.
+# stress: deepgemm at sizes with many all-padding warpgroups, STRESS_CALLS calls per case (default 5000), each
+# case under `timeout STRESS_SECONDS` (default 90): a hang in the grouped GEMM's pipeline becomes a failure that
+# names its case (the session-9 hang needed thousands of calls to show).
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -94,6 +97,24 @@ if [[ $what == profile ]]; then
     grep -E "Duration|Throughput|gmma|Issue Slots|Warp Cycles Per Issued|No Eligible|Active Warps" "$out/profile_$i.txt" | head -30
     rm -f "$out/profile_$i.ncu-rep"
   done 2>&1 | tee "$out/profile.log"
+fi
+if [[ $what == stress ]]; then
+  for weights in bf16 fp8; do
+    for tokens in 64 512 4096; do
+      timeout "${STRESS_SECONDS:-90}" ./gpu-bundle/moekit bench --device cuda --shape qwen3-30b-a3b --tokens "$tokens" \
+        --backends deepgemm --weights "$weights" --warmup 3 --repeats "${STRESS_CALLS:-5000}" --json '' --plot '' \
+        --memory-bandwidth-gbs 4200 >"$out/stress_${weights}_$tokens.log" 2>&1
+      rc=$?
+      if [[ $rc == 0 ]]; then
+        echo "ok: $weights, $tokens tokens, ${STRESS_CALLS:-5000} calls"
+      elif [[ $rc == 124 ]]; then
+        echo "FAILED: $weights, $tokens tokens did not finish in ${STRESS_SECONDS:-90} s (a hang?)"
+      else
+        echo "FAILED: $weights, $tokens tokens, exit status $rc (see stress_${weights}_$tokens.log)"
+      fi
+    done
+  done 2>&1 | tee "$out/stress.log"
+  grep -q FAILED "$out/stress.log" && status=1
 fi
 if [[ $what == sass || $what == all ]]; then
   cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 -E "hopper|tensor_core" | grep -E "Function|REG" |
