@@ -286,14 +286,12 @@ __device__ __forceinline__ void row_weights(const GemmParams& p, int64_t m_tile,
   }
 }
 
-// Two adjacent outputs of row `row` (0-63), column `col` of a warpgroup's staging buffer.
+// Two adjacent outputs of row `row` (0-63), column `col` of a warpgroup's staging buffer, packed (only the
+// second projection, whose outputs are 2-byte, is staged).
 template <typename O>
 __device__ __forceinline__ void stage_pair(uint8_t* staged, int row, int col, float2 v) {
-  uint8_t* at = staged + row * kStagedPitch + col * static_cast<int>(sizeof(O));
-  if constexpr (std::is_same_v<O, float>)
-    *reinterpret_cast<float2*>(at) = v;
-  else
-    *reinterpret_cast<uint32_t*>(at) = pack2<O>(v.x, v.y);
+  static_assert(sizeof(O) == 2, "staged rows hold 2-byte outputs");
+  *reinterpret_cast<uint32_t*>(staged + row * kStagedPitch + col * 2) = pack2<O>(v.x, v.y);
 }
 
 // The epilogue of one warpgroup's 64 rows: into out, or (kStaged; not gated) into its staging buffer
@@ -643,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // gate nothing, can fall two rings behind and wait on a parity that has come round again (a hang
           // seen in clusters of two, located with MOEKIT_HOPPER_WATCHDOG).
           wait_stage(&full[stage], phase, "full (idle)", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
-          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + math) : "memory");
+          named_sync(1 + math, 128);
           release(stage);
           if (++stage == kStages) stage = 0, phase ^= 1;
           continue;
