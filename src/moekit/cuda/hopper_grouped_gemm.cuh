@@ -76,13 +76,24 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
 #ifndef MOEKIT_HOPPER_WATCHDOG
 #define MOEKIT_HOPPER_WATCHDOG 0
 #endif
-__device__ __forceinline__ void wait_stage(uint64_t* bar, uint32_t phase, [[maybe_unused]] const char* what,
+// Waits for phase `phase` of the mbarrier at shared address `bar`. The barriers are passed as 32-bit shared
+// addresses computed once: from a generic pointer, every wait re-derived the aligned shared base (~20
+// instructions in front of each wgmma batch of the FP8 loop).
+__device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t phase) {
+  uint32_t done;
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done)
+               : "r"(bar), "r"(phase)
+               : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void wait_stage(uint32_t bar, uint32_t phase, [[maybe_unused]] const char* what,
                                            [[maybe_unused]] int64_t unit, [[maybe_unused]] int kb,
                                            [[maybe_unused]] int stage, [[maybe_unused]] int64_t m_tile,
                                            [[maybe_unused]] int expert, [[maybe_unused]] int flags) {
 #if MOEKIT_HOPPER_WATCHDOG
   const long long start = clock64();
-  while (!cutlass::arch::ClusterBarrier::try_wait(bar, phase)) {
+  while (!try_wait_parity(bar, phase)) {
     if (clock64() - start > 8000000000LL) {
       printf(
           "moekit watchdog: block %d thread %d stuck on %s: unit %lld kb %d stage %d phase %u m_tile %lld "
@@ -93,8 +104,52 @@ __device__ __forceinline__ void wait_stage(uint64_t* bar, uint32_t phase, [[mayb
     }
   }
 #else
-  cutlass::arch::ClusterBarrier::wait(bar, phase);
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n" ::"r"(
+          bar),
+      "r"(phase)
+      : "memory");
 #endif
+}
+
+// A wgmma descriptor from its two words: the start address field is the low 14 bits of `lo` and stays below
+// 2^14, so a stage's descriptor is stage 0's low word plus the stage's offset (16-byte units).
+__device__ __forceinline__ uint64_t with_address(uint32_t hi, uint32_t lo) {
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+// FP8: the raw bits of weight block scale `index` of a row of scales starting at `base` (float32, or one
+// ue8m0 byte), and their value (decoded as block_scale_at does). The loads are predicated, so the loop has no
+// branch on the format, and the decoding waits until the value is used, a block later.
+__device__ __forceinline__ uint32_t load_scale_bits(const uint8_t* base, int index, bool ue8m0) {
+  uint32_t bits;
+  asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p ld.global.nc.u8 %0, [%1];\n @!p ld.global.nc.b32 %0, [%2];\n}\n"
+      : "=r"(bits)
+      : "l"(base + index), "l"(base + 4 * index), "r"(static_cast<uint32_t>(ue8m0)));
+  return bits;
+}
+__device__ __forceinline__ float decode_scale(uint32_t bits, bool ue8m0) {
+  uint32_t value;  // selects, not branches: ue8m0 0 -> 2^-127, 0xff -> NaN, else bits << 23
+  asm("{\n .reg .pred z, n, u;\n .reg .b32 v;\n shl.b32 v, %1, 23;\n setp.eq.u32 z, %1, 0;\n"
+      " selp.b32 v, 0x00400000, v, z;\n setp.eq.u32 n, %1, 255;\n selp.b32 v, 0x7fc00000, v, n;\n"
+      " setp.ne.u32 u, %2, 0;\n selp.b32 %0, v, %1, u;\n}\n"
+      : "=r"(value)
+      : "r"(bits), "r"(static_cast<uint32_t>(ue8m0)));
+  return __uint_as_float(value);
+}
+
+// One arrival on the mbarrier at `bar` (a shared::cluster address: this block's or its peer's, from mapa) by
+// the threads with `leader` set, without a branch around it.
+__device__ __forceinline__ void arrive_if(uint32_t bar, bool leader) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %1, 0;\n @p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::"r"(bar),
+      "r"(static_cast<uint32_t>(leader))
+      : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_address(uint32_t bar, uint32_t rank) {
+  uint32_t mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(mapped) : "r"(bar), "r"(rank));
+  return mapped;
 }
 
 enum class Epilogue : uint8_t { gated_activation, activation, store_rows };
@@ -435,6 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
 
   const uint32_t rank = kCluster > 1 ? cute::block_rank_in_cluster() : 0;
+  const uint32_t full_at = cute::cast_smem_ptr_to_uint(full), empty_at = cute::cast_smem_ptr_to_uint(empty);
   const int64_t experts = p.a.experts;
   const int64_t m_tiles = p.tile_offsets[experts];
   const int64_t units = (m_tiles + kCluster - 1) / kCluster * p.n_blocks;
@@ -511,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         for (int kb = 0; kb < p.k_blocks; ++kb) {
-          wait_stage(&empty[stage], phase ^ 1, "empty", unit, kb, stage, t.m_tile, t.expert, t.multicast);
+          wait_stage(empty_at + 8 * stage, phase ^ 1, "empty", unit, kb, stage, t.m_tile, t.expert, t.multicast);
           uint8_t* sa = smem + stage * kStageBytes;
           uint8_t* sb = sa + kABytes;
           const int k = kb * kK;
@@ -591,20 +647,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     int stage = 0;
     uint32_t phase = 0;
-    // Frees a stage for the producer: this block's and (clusters) the peer's.
-    auto release = [&](int s) {
-      if (threadIdx.x % 128 != 0) return;
-      if constexpr (kCluster > 1) {
+    // Frees a stage for the producer, this block's and (clusters) the peer's: thread 0 of the warpgroup
+    // arrives on the stage's "empty" barrier in every block of the cluster.
+    const bool leader = threadIdx.x % 128 == 0;
+    uint32_t empty_of[kCluster];
 #pragma unroll
-        for (uint32_t r = 0; r < kCluster; ++r) Barrier::arrive(&empty[s], r, 1u);
-      } else {
-        Barrier::arrive(&empty[s]);
-      }
+    for (int r = 0; r < kCluster; ++r) empty_of[r] = kCluster > 1 ? cluster_address(empty_at, r) : empty_at;
+    auto release = [&](int s) {
+#pragma unroll
+      for (int r = 0; r < kCluster; ++r) arrive_if(empty_of[r] + 8 * s, leader);
     };
-    // Stage 0's operand descriptors and row scales, once: a stage's are these plus its offset (the start
-    // address field holds the shared address / 16, below 2^14, so adding to the whole descriptor is exact).
-    // Rebuilding them from pointers every stage put ~20 dependent instructions in front of each wgmma batch.
+    // Stage 0's operand descriptors and row scales, once: a stage's are these plus its offset (with_address).
+    // The descriptors' words are held opaque, so that the compiler keeps them instead of rebuilding them from
+    // the shared-memory address in front of every wgmma batch (~20 dependent instructions).
+    const bool ue8m0 = p.a.ue8m0_scales;
     const uint64_t desc_a0 = smem_descriptor(smem + math * 64 * kRowBytes), desc_b0 = smem_descriptor(smem + kABytes);
+    uint32_t desc_a_lo = static_cast<uint32_t>(desc_a0), desc_b_lo = static_cast<uint32_t>(desc_b0),
+             desc_hi = static_cast<uint32_t>(desc_a0 >> 32);
+    asm volatile("" : "+r"(desc_a_lo), "+r"(desc_b_lo), "+r"(desc_hi));
     const uint32_t row_scales0 =
         cute::cast_smem_ptr_to_uint(smem + kScaleOffset) + 4 * (math * 64 + acc_row(warp, lane, 0));
     int64_t hint = 0;
@@ -613,8 +673,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float weight[2] = {1.0f, 1.0f};
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
       // FP8: where the block scales of the tile's two weight halves start (their 128-row blocks).
-      const void* scale_base[2] = {nullptr, nullptr};
-      float b_next[2] = {1.0f, 1.0f};
+      const uint8_t* scale_base[2] = {nullptr, nullptr};
       if constexpr (kFp8) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -625,77 +684,104 @@ __global__ void __launch_bounds__(kThreads, 1)
           else
             first = int64_t{t.n_block} * BN + h * kHalfRows;
           const int64_t index = (t.expert * p.b_scale_rows + first / 128) * p.k_blocks;
-          scale_base[h] = p.a.ue8m0_scales ? static_cast<const void*>(static_cast<const uint8_t*>(p.b_scales) + index)
-                                           : static_cast<const void*>(static_cast<const float*>(p.b_scales) + index);
+          scale_base[h] = static_cast<const uint8_t*>(p.b_scales) + (ue8m0 ? index : 4 * index);
         }
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-        b_next[0] = block_scale_at(p.a, scale_base[0], 0);
-        b_next[1] = block_scale_at(p.a, scale_base[1], 0);
       }
       const bool idle = idle_of(t, math);
-      int previous = -1;
-      for (int kb = 0; kb < p.k_blocks; ++kb) {
-        if (idle) {
+      if (idle) {
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
           // Only thread 0 releases, so the warpgroup's four warps meet first: otherwise warps 1-3, which
           // gate nothing, can fall two rings behind and wait on a parity that has come round again (a hang
           // seen in clusters of two, located with MOEKIT_HOPPER_WATCHDOG).
-          wait_stage(&full[stage], phase, "full (idle)", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
+          wait_stage(full_at + 8 * stage, phase, "full (idle)", unit, kb, stage, t.m_tile, t.expert,
+                     t.multicast + 2 * math);
           named_sync(1 + math, 128);
           release(stage);
           if (++stage == kStages) stage = 0, phase ^= 1;
-          continue;
         }
-        // FP8: this block's weight scales were loaded a block ago (b_next); load the next block's now, so
-        // their latency is never in front of the promotion.
-        float b_scale[2] = {1.0f, 1.0f};
-        if constexpr (kFp8) {
-          b_scale[0] = b_next[0], b_scale[1] = b_next[1];
-          const int next = kb + 1 < p.k_blocks ? kb + 1 : kb;
-          b_next[0] = block_scale_at(p.a, scale_base[0], next);
-          b_next[1] = block_scale_at(p.a, scale_base[1], next);
-        }
-        wait_stage(&full[stage], phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
-        // Rows gathered by cp.async were written through the generic proxy; wgmma reads through the async one.
-        if constexpr (kGatherA) cutlass::arch::fence_view_async_shared();
-        // FP8: the two rows' activation scales, read from the stage before it can be released, and their
-        // products with the weight scales formed while the wgmma batch runs.
-        float scale[2][2];
-        if constexpr (kFp8) {
+      } else if constexpr (kFp8) {
+        // FP8. Everything block kb + 1 needs before its wgmma batch (its stage's "full" barrier, its row scales,
+        // its weight scales) is done while block kb's batch runs, so that after the batch only the stage's
+        // release and the promotion stand before the next batch (measured: with that work between the
+        // promotion and the next batch, each warp's chain of dependent instructions, not the tensor cores,
+        // set the pace).
+        auto wait_and_read_rows = [&](int kb, float(&a_scale)[2]) {
+          wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
           const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
-          float a_scale[2];
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
+        };
+        // Weight scales are requested two blocks ahead into two slots used alternately (the loop body is
+        // written out twice): with one register carried from load to use, the compiler copied it right after
+        // the load and so waited for the load.
+        float a_scale[2];
+        uint32_t b_slot[2][2];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b_scale[0], scale[r][1] = a_scale[r] * b_scale[1];
-        }
-        const uint64_t stage_offset = static_cast<uint64_t>(stage * kStageBytes) >> 4;
-        float* target = kFp8 ? part : acc;
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(target[i]);
-        cute::warpgroup_arrive();
+          for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
+        wait_and_read_rows(0, a_scale);
+        auto block = [&](int kb, uint32_t(&b_bits)[2]) {
+          const int issued = stage;
+          const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
 #pragma unroll
-        for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes of K per wgmma: k16 (2-byte) or k32 (e4m3)
-          wgmma<Op>(desc_a0 + stage_offset + 2 * kk, desc_b0 + stage_offset + 2 * kk, target,
-                    kFp8 ? kk > 0 : (kb > 0 || kk > 0), std::make_index_sequence<BN / 2>{});
-        cute::warpgroup_commit_batch();
+          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+          cute::warpgroup_arrive();
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(target[i]);
-        if constexpr (kFp8) {
-          // The block's products are needed now: wait for them, free the stage, promote.
+          for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k32) of e4m3 per wgmma
+            wgmma<Op>(with_address(desc_hi, desc_a_lo + stage_offset + 2 * kk),
+                      with_address(desc_hi, desc_b_lo + stage_offset + 2 * kk), part, kk > 0,
+                      std::make_index_sequence<BN / 2>{});
+          cute::warpgroup_commit_batch();
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+          float scale[2][2];
+          const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
+          const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
+          b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
+          b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+          // While the batch runs: block kb + 1's stage and row scales.
+          if (kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1, a_scale);
           cute::warpgroup_wait<0>();
-          release(stage);
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+          release(issued);
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < BN / 4 ? 0 : 1], acc[i]);
-        } else {
+        };
+        for (int kb = 0; kb < p.k_blocks; kb += 2) {
+          block(kb, b_slot[0]);
+          if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
+        }
+      } else {
+        int previous = -1;
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+          wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
+          // Rows gathered by cp.async were written through the generic proxy; wgmma reads through the async one.
+          if constexpr (kGatherA) cutlass::arch::fence_view_async_shared();
+          const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+          cute::warpgroup_arrive();
+#pragma unroll
+          for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k16) of 2-byte values per wgmma
+            wgmma<Op>(with_address(desc_hi, desc_a_lo + stage_offset + 2 * kk),
+                      with_address(desc_hi, desc_b_lo + stage_offset + 2 * kk), acc, kb > 0 || kk > 0,
+                      std::make_index_sequence<BN / 2>{});
+          cute::warpgroup_commit_batch();
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
           // One batch stays in flight: wait for the previous k block's products, then free its stage.
           cute::warpgroup_wait<1>();
           if (previous >= 0) release(previous);
           previous = stage;
+          if (++stage == kStages) stage = 0, phase ^= 1;
         }
-        if (++stage == kStages) stage = 0, phase ^= 1;
-      }
-      if constexpr (!kFp8) {
         cute::warpgroup_wait<0>();
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
