@@ -2,7 +2,7 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|profile|stress|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|profile|stress|ab|all]   (default all); results under $OUT if set.
 # decode: batched_mm at 1 and 8 tokens with graphs, bf16 / FP8 / FP4 weights, the quantised ones through the
 # tensor-core path and through the older kernels (MOEKIT_BATCHED_MM_TENSOR_CORES=0), in one lease.
 # gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
@@ -17,6 +17,10 @@
 # stress: deepgemm at sizes with many all-padding warpgroups, STRESS_CALLS calls per case (default 5000), each
 # case under `timeout STRESS_SECONDS` (default 90): a hang in the grouped GEMM's pipeline becomes a failure that
 # names its case (the session-9 hang needed thousands of calls to show).
+# ab: this tree's moekit against gpu-bundle/moekit_baseline.xz (make_gpu_bundle.sh with BASELINE=<revision>),
+# AB_ROUNDS rounds (default 2) of baseline then new in one lease: `moekit bench-gemm` (AB_GEMM_ARGS) and `moekit
+# bench` over AB_BENCH_CASES (';'-separated arguments); prints each case's times side by side with the ratio
+# of the medians (ab.log). Noise between leases is larger than many changes: compare only within one.
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -115,6 +119,47 @@ if [[ $what == stress ]]; then
     done
   done 2>&1 | tee "$out/stress.log"
   grep -q FAILED "$out/stress.log" && status=1
+fi
+if [[ $what == ab ]]; then
+  if [[ ! -f gpu-bundle/moekit_baseline.xz ]]; then
+    echo "ab: no gpu-bundle/moekit_baseline.xz; build the bundle with BASELINE=<git revision>" >&2
+    exit 2
+  fi
+  xz -dc gpu-bundle/moekit_baseline.xz >"$out/moekit_baseline" && chmod +x "$out/moekit_baseline"
+  echo "baseline: $(cat gpu-bundle/baseline_revision 2>/dev/null)"
+  IFS=';' read -ra cases <<<"${AB_BENCH_CASES:---shape qwen3-30b-a3b,deepseek-v3 --tokens 4096,16384 --backends deepgemm --weights fp8;--shape qwen3-30b-a3b,deepseek-v3 --tokens 4096,16384 --backends deepgemm --weights bf16}"
+  for _ in $(seq "${AB_ROUNDS:-2}"); do
+    for side in baseline new; do
+      bin=./gpu-bundle/moekit
+      [[ $side == baseline ]] && bin=$out/moekit_baseline
+      # shellcheck disable=SC2086
+      $bin bench-gemm --device cuda ${AB_GEMM_ARGS:---rows-per-expert 512 --format fp8,bf16 --epilogue store,gated --repeats 15} \
+        --json '' 2>&1 | grep -E '^(fp8|bf16|fp8-ue8m0) ' | sed "s/^/$side gemm /"
+      for i in "${!cases[@]}"; do
+        # shellcheck disable=SC2086
+        $bin bench --device cuda --max-seconds-per-case 0.4 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} 2>&1 |
+          grep -E '^[a-z0-9.-]+ +[0-9]+ +[a-z_]+ +[0-9.]+ ' | sed "s/^/$side case$i /"
+      done
+    done
+  done | tee "$out/ab_raw.log" | python3 -c '
+import collections, statistics, sys
+times = collections.defaultdict(lambda: {"baseline": [], "new": []})
+for line in sys.stdin:
+    f = line.split()
+    side, kind = f[0], f[1]
+    if kind == "gemm":  # format shape projection epilogue groups m N K us TFLOP/s ...
+        key, t = "gemm " + " ".join(f[2:6]) + " m" + f[7], float(f[10])
+    else:  # shape tokens backend ms ...
+        key, t = kind + " " + " ".join(f[2:5]), float(f[5])
+    times[key][side].append(t)
+print("{:52s} {:>22s} {:>22s} {:>9s}".format("case", "baseline", "new", "base/new"))
+for key, v in times.items():
+    b, n = v["baseline"], v["new"]
+    ratio = statistics.median(b) / statistics.median(n) if b and n else float("nan")
+    fmt = lambda xs: " ".join("{:.4g}".format(x) for x in xs)
+    print("{:52s} {:>22s} {:>22s} {:9.3f}".format(key, fmt(b), fmt(n), ratio))
+print("(gemm: microseconds; bench cases: ms; base/new > 1: the new binary is faster)")
+' | tee "$out/ab.log"
 fi
 if [[ $what == sass || $what == all ]]; then
   cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 -E "hopper|tensor_core" | grep -E "Function|REG" |
