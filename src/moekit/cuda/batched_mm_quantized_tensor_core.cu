@@ -135,12 +135,6 @@ __device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// A ue8m0 code's value (block_scale_at's convention).
-__device__ __forceinline__ float ue8m0_value(uint32_t code) {
-  if (code == 0xffu) return __int_as_float(0x7fc00000);
-  return code == 0 ? 0x1p-127f : __uint_as_float(code << 23);
-}
-
 // Writes activation code v (an e4m3 value) as position k of a codes row: a byte for FP8 weights, an f16
 // in f16_code_position order for FP4 weights.
 __device__ __forceinline__ void store_code(uint8_t* row, int64_t k, float v, bool fp4) {

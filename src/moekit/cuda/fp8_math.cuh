@@ -90,11 +90,16 @@ __global__ void __launch_bounds__(128)
   }
 }
 
-__device__ __forceinline__ float block_scale_at(const ExpertsArgs& a, const void* scales, int64_t index) {
-  if (!a.ue8m0_scales) return static_cast<const float*>(scales)[index];
-  const uint32_t code = static_cast<const uint8_t*>(scales)[index];
+// A ue8m0 code's value: 2^(code - 127), with 0 read as 2^-127 and 0xff as NaN.
+__device__ __forceinline__ float ue8m0_value(uint32_t code) {
   if (code == 0xffu) return __int_as_float(0x7fc00000);
   return code == 0 ? 0x1p-127f : __uint_as_float(code << 23);
+}
+
+// Weight block scale `index`: float32, or a ue8m0 code with a.ue8m0_scales.
+__device__ __forceinline__ float block_scale_at(const ExpertsArgs& a, const void* scales, int64_t index) {
+  if (!a.ue8m0_scales) return static_cast<const float*>(scales)[index];
+  return ue8m0_value(static_cast<const uint8_t*>(scales)[index]);
 }
 
 }  // namespace moekit::cuda

@@ -119,8 +119,9 @@ __device__ __forceinline__ uint64_t with_address(uint32_t hi, uint32_t lo) {
 }
 
 // FP8: the raw bits of weight block scale `index` of a row of scales starting at `base` (float32, or one
-// ue8m0 byte), and their value (decoded as block_scale_at does). The loads are predicated, so the loop has no
-// branch on the format, and the decoding waits until the value is used, a block later.
+// ue8m0 byte), and their value: block_scale_at split in two, the load predicated and ue8m0_value written as
+// selects, so that the loop has no branch on the format and the decoding waits until the value is used, a
+// block later (with ue8m0_value's branches, the compiler decoded right after the load and waited for it).
 __device__ __forceinline__ uint32_t load_scale_bits(const uint8_t* base, int index, bool ue8m0) {
   uint32_t bits;
   asm("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p ld.global.nc.u8 %0, [%1];\n @!p ld.global.nc.b32 %0, [%2];\n}\n"
