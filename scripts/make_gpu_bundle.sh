@@ -10,7 +10,7 @@ build=${BUILD_DIR:-build-cuda}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEKIT_CUDA=ON -DMOEKIT_BUILD_FUZZ=OFF >/dev/null
 cmake --build "$build" -j"$(nproc)"
 rm -rf gpu-bundle && mkdir -p gpu-bundle/lib
-cp "$build/moekit" "$build/tests/moekit_tests" gpu-bundle/
+cp "$build/moekit" "$build/tests/moekit_tests" "$build/moekit_cuda_stream_read" gpu-bundle/
 # The shared libraries the GPU machine lacks, as ldd lists them (oneDNN, the OpenCL loader, ICU and
 # PCRE2 for the tokenizer), compressed: together they are larger than a call may carry.
 for lib in $(ldd "$build/moekit" "$build/tests/moekit_tests" | grep -oE '/[^ ]*lib(dnnl|OpenCL|icu[a-z]*|pcre2-8)\.so[^ ]*' | sort -u); do

@@ -548,10 +548,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   store_down_output<T>(a, t, h0, lane, out_acc, invalid);
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
 // hidden: [P, I] floats, then xq: [T, H] floats (the workspace of batched_mm_workspace_bytes).
 template <typename T, WeightFormat F>
 void launch_quantized_format(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {

@@ -443,10 +443,6 @@ __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const Expe
   store_pairs_in_order<T>(a, t, h0, kTileRows, row_sums, splits);
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
 // Launches kernel with grid, block and shared memory, as a programmatic dependent of the stream's last
 // kernel on Hopper.
 template <typename... Args>

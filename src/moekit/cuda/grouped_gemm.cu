@@ -425,10 +425,6 @@ __global__ void __launch_bounds__(kMmaThreads) mma_quantized_kernel(const Groupe
   write_tile<T, P>(g, smem_raw, acc, warp_m, warp_n, lane, expert, row_begin, row_end);
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
 // One-dimensional grid of row tiles x column blocks (column block fastest, see block_col).
 unsigned grid_blocks(int64_t row_tiles, int64_t col_blocks) {
   MOEKIT_CHECK(row_tiles * col_blocks <= 0x7fffffff, "grouped_mm: too many tiles for one launch (", row_tiles, " x ",

@@ -9,15 +9,12 @@
 #include "moekit/cuda/device_math.cuh"
 #include "moekit/cuda/grouped_gemm.cuh"
 #include "moekit/cuda/model_kernels.h"
+#include "moekit/cuda/tensor_map.h"
 
 namespace moekit::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
 
 // Blocks of kThreads for a grid-stride loop over n elements (the loop covers what the cap leaves).
 unsigned elementwise_blocks(int64_t n) {

@@ -59,6 +59,11 @@ int multiprocessor_count();
 // Whether the current device is compute capability 9.0, where the sm_90a kernels run (cached).
 bool device_is_sm90();
 
+// Whether p is 16-byte aligned (the vector loads' requirement).
+inline bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
 // Whether environment variable `name` is set to exactly `value` (the MOEKIT_* switches of the launchers,
 // each read once into a static by its caller).
 inline bool env_equals(const char* name, const char* value) {
