@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "moekit/cuda/device_math.cuh"  // load_stream_raw: the decode kernels' own weight load
+
 namespace {
 
 void check(cudaError_t e, const char* what) {
@@ -19,16 +21,9 @@ void check(cudaError_t e, const char* what) {
   }
 }
 
-__device__ __forceinline__ uint4 load_stream(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-
 // Each warp reads chunks of kLoads * 512 bytes (kLoads 16-byte loads per lane, all issued before any is
-// used), chunk index warp, warp + warps, ...; one value per block out so nothing is dropped.
+// used), chunk index warp, warp + warps, ... (a grid-stride loop: a grid larger than fits at once runs in
+// waves); one value per block out so nothing is dropped.
 template <int kLoads>
 __global__ void __launch_bounds__(128) read_kernel(const uint4* __restrict__ data, int64_t chunks, float* out) {
   const int lane = threadIdx.x % 32;
@@ -38,7 +33,7 @@ __global__ void __launch_bounds__(128) read_kernel(const uint4* __restrict__ dat
     const uint4* p = data + c * kLoads * 32 + lane;
     uint4 v[kLoads];
 #pragma unroll
-    for (int l = 0; l < kLoads; ++l) v[l] = load_stream(p + l * 32);
+    for (int l = 0; l < kLoads; ++l) v[l] = moekit::cuda::load_stream_raw(p + l * 32);
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) acc ^= v[l].x + v[l].y + v[l].z + v[l].w;
   }
@@ -110,13 +105,13 @@ int main(int argc, char** argv) {
     for (int per_sm : {4, 8, 16}) {
       const int grid = sms * per_sm;
       char name[64];
-      std::snprintf(name, sizeof name, "persistent, %d blocks/SM, 16 loads", per_sm);
+      std::snprintf(name, sizeof name, "grid stride, %d blocks/SM, 16 loads", per_sm);
       row(name, time_graph(s, [&] { read_kernel<16><<<grid, 128, 0, s>>>(data, chunks16, out); }));
     }
     row("one chunk per warp, 16 loads",
         time_graph(s, [&] { read_kernel<16><<<static_cast<int>((chunks16 + 3) / 4), 128, 0, s>>>(data, chunks16, out); }));
     const int64_t chunks32 = chunks16 / 2;
-    row("persistent, 4 blocks/SM, 32 loads",
+    row("grid stride, 4 blocks/SM, 32 loads",
         time_graph(s, [&] { read_kernel<32><<<sms * 4, 128, 0, s>>>(data, chunks32, out); }));
     row("cudaMemcpyAsync (reads + writes)", time_graph(s, [&] {
           check(cudaMemcpyAsync(data + (bytes / 2 / 16), data, static_cast<size_t>(moved / 2), cudaMemcpyDeviceToDevice, s),
