@@ -21,6 +21,7 @@
 # AB_ROUNDS rounds (default 2) of baseline then new in one lease: `moekit bench-gemm` (AB_GEMM_ARGS) and `moekit
 # bench` over AB_BENCH_CASES (';'-separated arguments); prints each case's times side by side with the ratio
 # of the medians (ab.log). Noise between leases is larger than many changes: compare only within one.
+# AB_VARIANTS (';'-separated VAR=value) adds sides: the new binary under each assignment; AB_GEMM=0 skips bench-gemm.
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -128,37 +129,52 @@ if [[ $what == ab ]]; then
   xz -dc gpu-bundle/moekit_baseline.xz >"$out/moekit_baseline" && chmod +x "$out/moekit_baseline"
   echo "baseline: $(cat gpu-bundle/baseline_revision 2>/dev/null)"
   IFS=';' read -ra cases <<<"${AB_BENCH_CASES:---shape qwen3-30b-a3b,deepseek-v3 --tokens 4096,16384 --backends deepgemm --weights fp8;--shape qwen3-30b-a3b,deepseek-v3 --tokens 4096,16384 --backends deepgemm --weights bf16}"
+  # Sides: the baseline, the new binary, and the new binary under each of AB_VARIANTS (';'-separated
+  # environment assignments such as MOEKIT_X=1, for switches kept in a tree while it is measured).
+  IFS=';' read -ra variants <<<"${AB_VARIANTS:-}"
   for _ in $(seq "${AB_ROUNDS:-2}"); do
-    for side in baseline new; do
+    for side in baseline new "${variants[@]}"; do
       bin=./gpu-bundle/moekit
       [[ $side == baseline ]] && bin=$out/moekit_baseline
-      # shellcheck disable=SC2086
-      $bin bench-gemm --device cuda ${AB_GEMM_ARGS:---rows-per-expert 512 --format fp8,bf16 --epilogue store,gated --repeats 15} \
-        --json '' 2>&1 | grep -E '^(fp8|bf16|fp8-ue8m0) ' | sed "s/^/$side gemm /"
+      env=()
+      [[ $side == *=* ]] && env=("$side")
+      if [[ ${AB_GEMM:-1} == 1 ]]; then
+        # shellcheck disable=SC2086
+        env "${env[@]}" $bin bench-gemm --device cuda ${AB_GEMM_ARGS:---rows-per-expert 512 --format fp8,bf16 --epilogue store,gated --repeats 15} \
+          --json '' 2>&1 | grep -E '^(fp8|bf16|fp8-ue8m0) ' | sed "s/^/$side gemm /"
+      fi
       for i in "${!cases[@]}"; do
         # shellcheck disable=SC2086
-        $bin bench --device cuda --max-seconds-per-case 0.4 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} 2>&1 |
+        env "${env[@]}" $bin bench --device cuda --max-seconds-per-case 0.4 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} 2>&1 |
           grep -E '^[a-z0-9.-]+ +[0-9]+ +[a-z_]+ +[0-9.]+ ' | sed "s/^/$side case$i /"
       done
     done
   done | tee "$out/ab_raw.log" | python3 -c '
 import collections, statistics, sys
-times = collections.defaultdict(lambda: {"baseline": [], "new": []})
+times = collections.defaultdict(lambda: collections.defaultdict(list))
+sides = []
 for line in sys.stdin:
     f = line.split()
     side, kind = f[0], f[1]
+    if side not in sides:
+        sides.append(side)
     if kind == "gemm":  # format shape projection epilogue groups m N K us TFLOP/s ...
         key, t = "gemm " + " ".join(f[2:6]) + " m" + f[7], float(f[10])
     else:  # shape tokens backend ms ...
         key, t = kind + " " + " ".join(f[2:5]), float(f[5])
     times[key][side].append(t)
-print("{:52s} {:>22s} {:>22s} {:>9s}".format("case", "baseline", "new", "base/new"))
+others = [s for s in sides if s != "baseline"]
+fmt = lambda xs: " ".join("{:.4g}".format(x) for x in xs)
+print("{:44s} {:>18s}".format("case", "baseline") + "".join(" {:>18s} {:>7s}".format(s[:18], "b/side") for s in others))
 for key, v in times.items():
-    b, n = v["baseline"], v["new"]
-    ratio = statistics.median(b) / statistics.median(n) if b and n else float("nan")
-    fmt = lambda xs: " ".join("{:.4g}".format(x) for x in xs)
-    print("{:52s} {:>22s} {:>22s} {:9.3f}".format(key, fmt(b), fmt(n), ratio))
-print("(gemm: microseconds; bench cases: ms; base/new > 1: the new binary is faster)")
+    b = v["baseline"]
+    row = "{:44s} {:>18s}".format(key, fmt(b))
+    for s in others:
+        n = v[s]
+        ratio = statistics.median(b) / statistics.median(n) if b and n else float("nan")
+        row += " {:>18s} {:7.3f}".format(fmt(n), ratio)
+    print(row)
+print("(gemm: microseconds; bench cases: ms; b/side > 1: that side is faster than the baseline)")
 ' | tee "$out/ab.log"
 fi
 if [[ $what == sass || $what == all ]]; then

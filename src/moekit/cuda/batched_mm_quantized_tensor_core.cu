@@ -417,7 +417,7 @@ template <typename T, WeightFormat F>
 __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const ExpertsArgs a, Workspace ws, int splits) {
   using Q = QuantizedFormat<F>;
   constexpr int kCodeBytes = code_bytes(F == WeightFormat::fp4_e2m1);
-  extern __shared__ float row_sums[];  // [splits][K][16]
+  extern __shared__ float row_sums[];  // [splits][K][16], then the pair table
   const int64_t H = a.hidden, I = a.intermediate, K = a.top_k, groups_i = (I + kGroup - 1) / kGroup;
   const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
@@ -440,7 +440,10 @@ __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const Expe
   }
   wait_for_prerequisite();  // every warp, so nothing below runs before the kernels this one follows
   __syncthreads();
-  store_pairs_in_order<T>(a, t, h0, kTileRows, row_sums, splits);
+  if (warp != 0) return;  // the columns' threads are warp 0's
+  float* pairs = row_sums + splits * K * kTileRows;
+  load_pair_table<T>(a, t, pairs);
+  store_pairs_in_order<T>(a, t, h0, kTileRows, row_sums, splits, pairs);
 }
 
 // Launches kernel with grid, block and shared memory, as a programmatic dependent of the stream's last
@@ -494,7 +497,8 @@ void launch(const ExpertsArgs& a, Workspace ws, cudaStream_t stream) {
   MOEKIT_CHECK(row_tiles <= 65535, "batched_mm: hidden size ", H, " is too large for one launch");
   launch_dependent(down_kernel<T, F>, dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(row_tiles)),
                    dim3(static_cast<unsigned>(32 * slots * down_splits)),
-                   static_cast<std::size_t>(down_splits * a.top_k) * kTileRows * sizeof(float), stream, a, ws, down_splits);
+                   static_cast<std::size_t>(down_splits * a.top_k * kTileRows * sizeof(float) + pair_table_bytes(a.top_k)),
+                   stream, a, ws, down_splits);
 }
 
 }  // namespace
@@ -515,7 +519,7 @@ bool batched_mm_quantized_tensor_core_runs(const ExpertsArgs& a) {
   const int64_t piece = a.fp8() ? 16 : 32;
   return allowed && a.quantized() && !a.transposed && a.hidden % piece == 0 && a.intermediate % piece == 0 &&
          aligned16(a.up) &&
-         aligned16(a.down) && 2 * a.top_k * kTileRows * sizeof(float) <= 48 * 1024 && a.tokens <= 0x7fffffff &&
+         aligned16(a.down) && 2 * a.top_k * kTileRows * sizeof(float) + pair_table_bytes(a.top_k) <= 48 * 1024 && a.tokens <= 0x7fffffff &&
          a.tokens * a.top_k <= 0x7fffffff && scale_entries(a) <= 0x7fffffff && device_is_sm90();
 }
 

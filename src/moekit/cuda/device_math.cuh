@@ -72,6 +72,14 @@ __device__ __forceinline__ uint4 load_stream_raw(const void* p) {
 }
 
 // The same load, converted to floats.
+// Asks for bytes (a multiple of 16) from p (16-byte aligned) to be brought into L2, holding no registers
+// and waiting for nothing (sm_90's bulk prefetch; a no-op before).
+__device__ __forceinline__ void prefetch_bulk_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 template <typename T>
 __device__ __forceinline__ void load_vec_stream(const T* p, float (&v)[kVec<T>]) {
   const uint4 raw = load_stream_raw(p);
@@ -173,25 +181,78 @@ __device__ __forceinline__ float load_routing_weight(const ExpertsArgs& a, int64
                                        : to_f(static_cast<const T*>(a.routing_weights)[i]);
 }
 
+// Token t's pairs as the end of a second projection needs them, in a table in shared memory: K routing
+// weights (floats), then K expert codes (int32: the expert, -1 for an invalid id, -2 for a sentinel or an
+// id past the experts), pair_table_bytes(K) in all. Filled either from registers (load_pair_slot when the
+// kernel starts: thread k's loads of pair k stay in flight through the main loop; stash_pair_slots before
+// the block's last barrier), or by one warp after its products (load_pair_table: the K pairs in one round
+// trip, where the kernel has no registers to spare). Before, the end of every block made K dependent
+// global round trips after its products were done.
+__host__ __device__ constexpr int64_t pair_table_bytes(int64_t top_k) {
+  return top_k * static_cast<int64_t>(sizeof(float) + sizeof(int32_t));
+}
+
+struct PairSlot {
+  int64_t expert = 0;
+  float route = 0.0f;
+};
+
+template <typename T>
+__device__ __forceinline__ PairSlot load_pair_slot(const ExpertsArgs& a, int64_t t) {
+  PairSlot s;
+  if (threadIdx.x < a.top_k) {
+    const int64_t pair = t * a.top_k + threadIdx.x;
+    s.expert = load_id(a, pair);
+    s.route = load_routing_weight<T>(a, pair);
+  }
+  return s;
+}
+
+__device__ __forceinline__ void set_pair_entry(const ExpertsArgs& a, float* table, int64_t k, int64_t e, float route) {
+  table[k] = route;
+  reinterpret_cast<int32_t*>(table + a.top_k)[k] = e < 0 ? -1 : e >= a.experts ? -2 : static_cast<int32_t>(e);
+}
+
+// Fills the table from every thread's slot (pairs past the block loaded here). Call before the barrier
+// that precedes store_pairs_in_order.
+template <typename T>
+__device__ __forceinline__ void stash_pair_slots(const ExpertsArgs& a, int64_t t, const PairSlot& slot, float* table) {
+  for (int64_t k = threadIdx.x; k < a.top_k; k += blockDim.x) {
+    if (k == threadIdx.x)
+      set_pair_entry(a, table, k, slot.expert, slot.route);
+    else
+      set_pair_entry(a, table, k, load_id(a, t * a.top_k + k), load_routing_weight<T>(a, t * a.top_k + k));
+  }
+}
+
+// Fills the table by the calling warp (all its lanes), for the same warp to read.
+template <typename T>
+__device__ __forceinline__ void load_pair_table(const ExpertsArgs& a, int64_t t, float* table) {
+  for (int64_t k = threadIdx.x % 32; k < a.top_k; k += 32)
+    set_pair_entry(a, table, k, load_id(a, t * a.top_k + k), load_routing_weight<T>(a, t * a.top_k + k));
+  __syncwarp();
+}
+
 // The end of a second projection whose pairs' row sums are in row_sums [splits][K][rows] (each pair's sum
-// over `splits` slices of k): thread r < rows writes column h0 + r of token t, adding a pair's slices in
-// order and then, in order k, bias plus sum times the pair's routing weight (NaN for a token with an
-// invalid id; sentinels skipped). Deterministic: no atomics.
+// over `splits` slices of k) and whose pairs are in the table at pairs: thread r < rows writes column
+// h0 + r of token t, adding a pair's slices in order and then, in order k, bias plus sum times the pair's
+// routing weight (NaN for a token with an invalid id; sentinels skipped). Deterministic: no atomics.
 template <typename T>
 __device__ __forceinline__ void store_pairs_in_order(const ExpertsArgs& a, int64_t t, int64_t h0, int rows,
-                                                     const float* row_sums, int splits) {
+                                                     const float* row_sums, int splits, const float* pairs) {
   const int64_t H = a.hidden, K = a.top_k, h = h0 + threadIdx.x;
   if (static_cast<int>(threadIdx.x) >= rows || h >= H) return;
+  const int32_t* expert = reinterpret_cast<const int32_t*>(pairs + K);
   float out = 0.0f;
   bool invalid = false;
   for (int64_t k = 0; k < K; ++k) {  // in order
-    const int64_t pair = t * K + k, e = load_id(a, pair);
-    if (e < 0) invalid = true;
-    if (e < 0 || e >= a.experts) continue;
+    const int32_t e = expert[k];
+    if (e == -1) invalid = true;
+    if (e < 0) continue;
     float v = row_sums[k * rows + threadIdx.x];
     for (int s = 1; s < splits; ++s) v += row_sums[(s * K + k) * rows + threadIdx.x];
     const float bias = a.down_bias ? to_f(static_cast<const T*>(a.down_bias)[e * H + h]) : 0.0f;
-    out = fmaf(load_routing_weight<T>(a, pair), v + bias, out);
+    out = fmaf(pairs[k], v + bias, out);
   }
   static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? __int_as_float(0x7fc00000) : out);
 }
