@@ -161,6 +161,11 @@ std::vector<HarnessCase> harness_cases() {
       o = sized(5, 64, 256, 8, 4, dtype, nc.config);
       o.sentinel_fraction = 0.3;
       add("whole_pieces", o, {2});
+      // I = 768 and K = 10: rows of three pieces in bf16 and f16 (batched_mm's staged down kernel on CUDA,
+      // with more pairs than warps, so warps stage two pairs in turn), six in f32 (the streaming kernel).
+      o = sized(4, 64, 768, 24, 10, dtype, nc.config);
+      o.sentinel_fraction = 0.2;
+      add("three_pieces", o, {1});
     }
 
   // Quantised weights (DESIGN §3): FP8 with f32 and with ue8m0 scales, FP4; activations quantised on the fly.

@@ -109,6 +109,18 @@ int multiprocessor_count() {
   return cached_attribute(cudaDevAttrMultiProcessorCount, cache, mutex);
 }
 
+int max_shared_memory_per_block() {
+  static std::mutex mutex;
+  static std::array<int, 64> cache{};
+  return cached_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, cache, mutex);
+}
+
+int shared_memory_per_multiprocessor() {
+  static std::mutex mutex;
+  static std::array<int, 64> cache{};
+  return cached_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, cache, mutex);
+}
+
 bool device_is_sm90() {
   static std::mutex mutex;
   static std::array<int, 64> major{}, minor{};

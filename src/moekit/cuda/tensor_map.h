@@ -56,6 +56,10 @@ void allow_dynamic_shared_memory(const void* kernel, std::size_t bytes);
 
 // Multiprocessors of the current device (cached per device).
 int multiprocessor_count();
+// The most shared memory one block may use on the current device, opted in (cached per device).
+int max_shared_memory_per_block();
+// Shared memory one multiprocessor has for its blocks, in all (cached per device).
+int shared_memory_per_multiprocessor();
 // Whether the current device is compute capability 9.0, where the sm_90a kernels run (cached).
 bool device_is_sm90();
 
