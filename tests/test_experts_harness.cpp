@@ -166,6 +166,15 @@ std::vector<HarnessCase> harness_cases() {
       o = sized(4, 64, 768, 24, 10, dtype, nc.config);
       o.sentinel_fraction = 0.2;
       add("three_pieces", o, {1});
+      // H = 60 (the last block of 8 hidden columns is partial) and I = 200 (rows end inside a piece).
+      o = sized(5, 60, 200, 8, 3, dtype, nc.config);
+      o.sentinel_fraction = 0.2;
+      add("ragged_rows", o, {3});
+      // I = 1,408 (Qwen1.5-MoE's): six pieces a row in bf16 and f16, the last one partial (the staged down
+      // kernel's longest rows, taken when its grid is one wave).
+      o = sized(2, 64, 1408, 8, 4, dtype, nc.config);
+      o.sentinel_fraction = 0.2;
+      add("six_pieces", o);
     }
 
   // Quantised weights (DESIGN §3): FP8 with f32 and with ue8m0 scales, FP4; activations quantised on the fly.

@@ -225,37 +225,46 @@ __global__ void __launch_bounds__(kStreamDownWarps * 32, 2)
   store_pairs_in_order<T>(a, t, h0, R, row_sums, 1, pairs);
 }
 
-// The down kernel for short rows (kPieces 32-lane pieces of 16 bytes a row, flat as above), staged: a
-// block takes kStreamRows hidden columns of a token and warp k pair k (and k + warps, ...), like
-// down_stream_kernel, but each lane copies its pieces of the pair's rows into shared memory with
-// cp.async, all of them at once and holding no registers, so a warp's whole share is requested when the
-// block starts; after griddepcontrol.wait each lane loads its part of the pair's hidden row into
-// registers (one round trip for all the rows, which all multiply the same kPieces * kVec values a lane),
-// and the products then read only shared memory and registers. The streaming kernel instead had two
-// rounds of register loads and read the hidden values from L2 piece by piece, so most of its work came
-// after its last weight bytes arrived (Qwen3-30B-A3B, 1 token, graphs: 0.026 -> 0.022 ms).
-// grid (T, H / kStreamRows), block 32 * min(K, 8); shared memory staged_down_shared_bytes.
+// The down kernel for short rows (up to kPieces 32-lane pieces of 16 bytes a row), staged: a block takes
+// kStreamRows hidden columns of a token and warp k pair k (and k + warps, ...), like down_stream_kernel,
+// but each lane copies its pieces of the pair's rows into shared memory with cp.async, all of them at once
+// and holding no registers, so a warp's whole share is requested when the block starts; after
+// griddepcontrol.wait each lane loads its part of the pair's hidden row into registers (one round trip
+// for all the rows, which all multiply the same values), and the products then read only shared memory
+// and registers. The streaming kernel has rounds of register loads and reads the hidden values from L2
+// piece by piece, so much of its work comes after its last weight bytes arrive (Qwen3-30B-A3B, 1 token,
+// graphs: 0.026 -> 0.022-0.023 ms). A lane's pieces past the row's end (I not a multiple of 32 * kVec) and rows
+// past H are neither copied nor used. grid (T, ceil(H / kStreamRows)), block 32 * min(K, 8); shared memory
+// from launch_staged_down.
 template <typename T, int kPieces>
-__global__ void __launch_bounds__(kStreamDownWarps * 32, 4)
+__global__ void __launch_bounds__(kStreamDownWarps * 32, kPieces <= 3 ? 4 : 2)
     down_staged_kernel(const ExpertsArgs a, const float* hidden) {
   extern __shared__ uint4 staged[];  // [warps][kStreamRows * kPieces][32] pieces, row sums [K][R], pair table
   const int64_t H = a.hidden, I = a.intermediate, K = a.top_k;
   const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kStreamRows;
   const PairSlot slot = load_pair_slot<T>(a, t);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  constexpr int V = kVec<T>, R = kStreamRows, kTotal = R * kPieces;
-  uint4* mine = staged + warp * kTotal * 32 + lane;
-  float* row_sums = reinterpret_cast<float*>(staged + warps * kTotal * 32);
+  constexpr int V = kVec<T>, R = kStreamRows;
+  const int rows_here = static_cast<int>(H - h0 < R ? H - h0 : R);
+  uint4* mine = staged + warp * R * kPieces * 32 + lane;
+  float* row_sums = reinterpret_cast<float*>(staged + warps * R * kPieces * 32);
   for (int64_t k = warp; k < K; k += warps) {
     const int64_t pair = t * K + k, e = load_id(a, pair);
     const bool valid = e >= 0 && e < a.experts;
-    const T* run = static_cast<const T*>(a.down) + ((valid ? e : 0) * H + h0) * I + lane * V;
+    const T* rows = static_cast<const T*>(a.down) + ((valid ? e : 0) * H + h0) * I;
+    // Short rows: every copy unrolled (measured faster); longer ones a row at a time (registers).
+    constexpr int kCopyUnroll = kPieces <= 3 ? R : 1;
     if (valid)
+#pragma unroll kCopyUnroll
+      for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int l = 0; l < kTotal; ++l) {
-        const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(mine + l * 32));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(run + l * 32 * V) : "memory");
-      }
+        for (int c = 0; c < kPieces; ++c) {
+          const int i = (c * 32 + lane) * V;
+          if (r < rows_here && i < I) {
+            const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(mine + (r * kPieces + c) * 32));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(rows + r * I + i) : "memory");
+          }
+        }
     asm volatile("cp.async.commit_group;" ::: "memory");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -263,25 +272,28 @@ __global__ void __launch_bounds__(kStreamDownWarps * 32, 4)
     // The pair's hidden row, kPieces * V floats a lane, in registers: one round trip for all the rows.
     float x[kPieces][V];
 #pragma unroll
-    for (int c = 0; c < kPieces; ++c)
+    for (int c = 0; c < kPieces; ++c) {
+      const int i = (c * 32 + lane) * V;
 #pragma unroll
-      for (int i = 0; i < V; i += 4) {
-        const float4 f = *reinterpret_cast<const float4*>(hidden + pair * I + (c * 32 + lane) * V + i);
-        x[c][i] = f.x, x[c][i + 1] = f.y, x[c][i + 2] = f.z, x[c][i + 3] = f.w;
+      for (int j = 0; j < V; j += 4) {
+        const float4 f = i < I ? *reinterpret_cast<const float4*>(hidden + pair * I + i + j) : float4{};
+        x[c][j] = f.x, x[c][j + 1] = f.y, x[c][j + 2] = f.z, x[c][j + 3] = f.w;
       }
+    }
     asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
 #pragma unroll
       for (int c = 0; c < kPieces; ++c) {
+        if ((c * 32 + lane) * V >= I) continue;  // past the row: nothing was copied
         const uint4 w = mine[(r * kPieces + c) * 32];
         const T* we = reinterpret_cast<const T*>(&w);
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc = fmaf(to_f(we[i]), x[c][i], acc);
+        for (int j = 0; j < V; ++j) acc = fmaf(to_f(we[j]), x[c][j], acc);
       }
       const float v = warp_sum(acc);
-      if (lane == 0) row_sums[k * R + r] = v;  // (an invalid pair's is never read)
+      if (lane == 0) row_sums[k * R + r] = v;  // (an invalid pair's, or a row's past H, is never read)
     }
   }
   float* pairs = row_sums + K * R;
@@ -663,20 +675,26 @@ void launch_quantized(const ExpertsArgs& a, float* hidden, cudaStream_t stream) 
     launch_quantized_format<T, WeightFormat::fp8_e4m3>(a, hidden, stream);
 }
 
-// Launches down_staged_kernel with config (the streaming kernel's grid, block and attributes) where a
-// row is 1-3 pieces and two blocks' staging fits a multiprocessor's shared memory; returns whether it did.
+// Launches down_staged_kernel with config (the streaming kernel's grid, block and attributes) where two
+// blocks' staging fits a multiprocessor's shared memory and a row is at most 3 pieces, or 4-6 pieces with
+// the grid in one wave; returns whether it did. Measured (H200, graphs): Qwen3-30B-A3B (3 pieces) faster
+// at 1, 8 and 16 tokens; Qwen1.5-MoE-A2.7B (6 pieces, 4 warps a block) 0.030 -> 0.023 ms at 1 token but
+// 0.131 -> 0.139 at 8, where the blocks run in waves with 8 warps a multiprocessor.
 template <typename T>
 bool launch_staged_down(const ExpertsArgs& a, const float* hidden, cudaLaunchConfig_t config, int64_t down_shared) {
   constexpr int V = kVec<T>;
-  const int64_t pieces = a.intermediate / (32 * V), warps = std::min<int64_t>(a.top_k, kStreamDownWarps);
-  const int64_t bytes = warps * kStreamRows * a.intermediate * static_cast<int64_t>(sizeof(T)) + down_shared;
-  void (*kernel)(ExpertsArgs, const float*) = pieces == 1   ? down_staged_kernel<T, 1>
-                                              : pieces == 2 ? down_staged_kernel<T, 2>
-                                              : pieces == 3 ? down_staged_kernel<T, 3>
-                                                            : nullptr;
+  const int64_t pieces = (a.intermediate + 32 * V - 1) / (32 * V), warps = std::min<int64_t>(a.top_k, kStreamDownWarps);
+  const int64_t bytes = warps * kStreamRows * pieces * 32 * 16 + down_shared;
+  using Kernel = void (*)(ExpertsArgs, const float*);
+  constexpr Kernel kernels[] = {down_staged_kernel<T, 1>, down_staged_kernel<T, 2>, down_staged_kernel<T, 3>,
+                                down_staged_kernel<T, 4>, down_staged_kernel<T, 5>, down_staged_kernel<T, 6>};
+  const int64_t blocks = static_cast<int64_t>(config.gridDim.x) * config.gridDim.y;
+  const bool one_wave = blocks <= 2 * static_cast<int64_t>(multiprocessor_count());
   // Two blocks a multiprocessor (1 KB of each block's share is the system's).
-  if (!kernel || bytes > max_shared_memory_per_block() || 2 * (bytes + 1024) > shared_memory_per_multiprocessor())
+  if (pieces > 6 || (pieces > 3 && !one_wave) || bytes > max_shared_memory_per_block() ||
+      2 * (bytes + 1024) > shared_memory_per_multiprocessor())
     return false;
+  const Kernel kernel = kernels[pieces - 1];
   allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), static_cast<std::size_t>(bytes));
   config.dynamicSmemBytes = static_cast<std::size_t>(bytes);
   MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a, hidden));
@@ -748,7 +766,7 @@ void launch(const ExpertsArgs& a, float* hidden, cudaStream_t stream) {
   }
   // Rows of whole pieces and whole blocks of rows: every block's rows are one run (the flat loads).
   const bool flat = a.intermediate % (32 * V) == 0 && a.hidden % kStreamRows == 0;
-  if (flat && launch_staged_down<T>(a, hidden, config, down_shared)) return;
+  if (launch_staged_down<T>(a, static_cast<const float*>(hidden), config, down_shared)) return;
   MOEKIT_CUDA_CHECK(cudaLaunchKernelEx(&config, flat ? down_stream_kernel<T, true> : down_stream_kernel<T, false>, a,
                                        static_cast<const float*>(hidden)));
 }
