@@ -495,10 +495,11 @@ void launch(const ExpertsArgs& a, Workspace ws, cudaStream_t stream) {
   const int64_t row_tiles = (H + kTileRows - 1) / kTileRows;
   const int down_splits = std::min(choose_splits(a.tokens * row_tiles * slots, I), 2);  // at most 16 warps a block
   MOEKIT_CHECK(row_tiles <= 65535, "batched_mm: hidden size ", H, " is too large for one launch");
-  launch_dependent(down_kernel<T, F>, dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(row_tiles)),
-                   dim3(static_cast<unsigned>(32 * slots * down_splits)),
-                   static_cast<std::size_t>(down_splits * a.top_k * kTileRows * sizeof(float) + pair_table_bytes(a.top_k)),
-                   stream, a, ws, down_splits);
+  launch_dependent(
+      down_kernel<T, F>, dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(row_tiles)),
+      dim3(static_cast<unsigned>(32 * slots * down_splits)),
+      static_cast<std::size_t>(down_splits * a.top_k * kTileRows * sizeof(float) + pair_table_bytes(a.top_k)), stream,
+      a, ws, down_splits);
 }
 
 }  // namespace
@@ -518,8 +519,8 @@ bool batched_mm_quantized_tensor_core_runs(const ExpertsArgs& a) {
   // Whole 16-byte pieces of every weight row: 16 e4m3 codes, 32 e2m1 codes.
   const int64_t piece = a.fp8() ? 16 : 32;
   return allowed && a.quantized() && !a.transposed && a.hidden % piece == 0 && a.intermediate % piece == 0 &&
-         aligned16(a.up) &&
-         aligned16(a.down) && 2 * a.top_k * kTileRows * sizeof(float) + pair_table_bytes(a.top_k) <= 48 * 1024 && a.tokens <= 0x7fffffff &&
+         aligned16(a.up) && aligned16(a.down) &&
+         2 * a.top_k * kTileRows * sizeof(float) + pair_table_bytes(a.top_k) <= 48 * 1024 && a.tokens <= 0x7fffffff &&
          a.tokens * a.top_k <= 0x7fffffff && scale_entries(a) <= 0x7fffffff && device_is_sm90();
 }
 
