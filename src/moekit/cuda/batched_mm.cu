@@ -260,12 +260,9 @@ __global__ void __launch_bounds__(kStreamDownWarps * 32, kPieces <= 3 ? 4 : 2)
 #pragma unroll
         for (int c = 0; c < kPieces; ++c) {
           const int i = (c * 32 + lane) * V;
-          if (r < rows_here && i < I) {
-            const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(mine + (r * kPieces + c) * 32));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(rows + r * I + i) : "memory");
-          }
+          if (r < rows_here && i < I) cp_async16(mine + (r * kPieces + c) * 32, rows + r * I + i);
         }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    cp_async_commit();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -280,7 +277,7 @@ __global__ void __launch_bounds__(kStreamDownWarps * 32, kPieces <= 3 ? 4 : 2)
         x[c][j] = f.x, x[c][j + 1] = f.y, x[c][j + 2] = f.z, x[c][j + 3] = f.w;
       }
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    cp_async_wait_all();
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;

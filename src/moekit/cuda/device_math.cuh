@@ -72,6 +72,14 @@ __device__ __forceinline__ uint4 load_stream_raw(const void* p) {
 }
 
 // The same load, converted to floats.
+template <typename T>
+__device__ __forceinline__ void load_vec_stream(const T* p, float (&v)[kVec<T>]) {
+  const uint4 raw = load_stream_raw(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
+}
+
 // Asks for bytes (a multiple of 16) from p (16-byte aligned) to be brought into L2, holding no registers
 // and waiting for nothing (sm_90's bulk prefetch; a no-op before).
 __device__ __forceinline__ void prefetch_bulk_l2(const void* p, uint32_t bytes) {
@@ -80,12 +88,33 @@ __device__ __forceinline__ void prefetch_bulk_l2(const void* p, uint32_t bytes) 
 #endif
 }
 
-template <typename T>
-__device__ __forceinline__ void load_vec_stream(const T* p, float (&v)[kVec<T>]) {
-  const uint4 raw = load_stream_raw(p);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
+// 16 bytes from global memory into shared memory by cp.async (through L2 only, holding no registers).
+// Complete after cp_async_commit and cp_async_wait; the "memory" clobbers keep the compiler from moving
+// shared-memory accesses across them.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+      "l"(gmem)
+      : "memory");
+}
+// The same, where valid = false fills the 16 bytes with zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+      "l"(gmem), "r"(valid ? 16 : 0)
+      : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most N groups of this thread's copies are in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Waits until all of this thread's copies are complete.
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 // acc + sum_i w[i] * x[i] over the kVec<T> elements of two 16-byte loads of T.

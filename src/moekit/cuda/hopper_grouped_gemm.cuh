@@ -63,13 +63,6 @@ constexpr int kThreads = 128 * (1 + kMathGroups);
 // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64,512 of the 65,536.
 constexpr int kProducerRegisters = 56, kMathRegisters = 224;
 
-// 16-byte cp.async into shared memory; valid = false fills the 16 bytes with zeros and reads nothing.
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-
 // MOEKIT_HOPPER_WATCHDOG=1 at compile time (a debugging build): a wait on a pipeline barrier that lasts
 // over ~4 s prints where it is stuck (block, warpgroup, unit, k block, stage, phase) and traps, so a
 // hang becomes an error with a place. Off in normal builds: a plain wait.
@@ -579,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < 8; ++i) {
               const int r = first_row + 16 * i;  // r % 8 == first_row % 8: the 128-byte swizzle's row phase
               const bool ok = token[i] >= 0 && col < p.a.hidden;
-              cp_async16_zfill(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16),
+              cp_async16(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16),
                                ok ? x + token[i] * p.a.hidden + col : x, ok);
             }
             cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
