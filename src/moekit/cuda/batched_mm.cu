@@ -99,11 +99,9 @@ constexpr int kStreamBlocksPerSm = 4;
 template <typename T>
 __global__ void __launch_bounds__(kWarps * 32, kStreamBlocksPerSm)
     up_stream_kernel(const ExpertsArgs a, float* __restrict__ hidden) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The down kernel (launched as a programmatic dependent) may start now: it requests its own weights
   // and then waits for this grid's rows before reading them.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+  allow_dependents();
   const int64_t H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
   const int cols = a.has_gate ? 1 : 2;
   const int lane = threadIdx.x % 32;
@@ -202,10 +200,8 @@ __global__ void __launch_bounds__(kStreamDownWarps * 32, 2)
           if (++c == pieces) c = 0, ++r;
         }
       }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       // The hidden rows come from the up kernel: wait for it (at once when launched plainly, or once done).
-      asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+      wait_for_prerequisite();
 #pragma unroll
       for (int l = 0; l < L; ++l) {
         if (f0 + l >= total) break;
@@ -263,9 +259,7 @@ __global__ void __launch_bounds__(kStreamDownWarps * 32, kPieces <= 3 ? 4 : 2)
           if (r < rows_here && i < I) cp_async16(mine + (r * kPieces + c) * 32, rows + r * I + i);
         }
     cp_async_commit();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+    wait_for_prerequisite();
     // The pair's hidden row, kPieces * V floats a lane, in registers: one round trip for all the rows.
     float x[kPieces][V];
 #pragma unroll

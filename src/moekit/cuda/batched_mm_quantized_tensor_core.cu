@@ -93,20 +93,6 @@ Workspace carve(const ExpertsArgs& a, void* base) {
   return w;
 }
 
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Waits until the grid this one depends on has finished and its writes are visible (at once when the
-// kernel was launched plainly).
-__device__ __forceinline__ void wait_for_prerequisite() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // d += A (16 x 32 e4m3, row-major fragments a0..a3) * B (32 x 8 e4m3, fragments b0, b1), f32 accumulate.
 __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {

@@ -80,6 +80,22 @@ __device__ __forceinline__ void load_vec_stream(const T* p, float (&v)[kVec<T>])
   for (int i = 0; i < kVec<T>; ++i) v[i] = to_f(e[i]);
 }
 
+// Programmatic dependent launch (sm_90; no-ops before): lets the kernel launched after this one as a
+// programmatic dependent start now.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Waits until the grid this one depends on has finished and its writes are visible (at once when the
+// kernel was launched plainly).
+__device__ __forceinline__ void wait_for_prerequisite() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Asks for bytes (a multiple of 16) from p (16-byte aligned) to be brought into L2, holding no registers
 // and waiting for nothing (sm_90's bulk prefetch; a no-op before).
 __device__ __forceinline__ void prefetch_bulk_l2(const void* p, uint32_t bytes) {
