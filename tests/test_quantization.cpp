@@ -398,14 +398,14 @@ TEST(QuantizeActivations, PerGroupOf128FromAmax) {
   EXPECT_TRUE(std::isnan(to_float(codes[5])));
 }
 
-// gemv_rows_fp8_codes (the build this machine picks) against float64 sums of the decoded codes times both
+// gemv_rows_codes with FP8 weights (the build this machine picks) against float64 sums of the decoded codes times both
 // scales: every e4m3 code on both sides, row blocks of 128 with their own scales, K with partial 64- and
 // 128-wide blocks, a row step; a NaN code on either side reads as NaN.
 // The dispatched kernel (AVX512-BF16 where the CPU has it) and the portable one, which other CPUs run.
 class QuantizedGemvFp8Codes : public ::testing::TestWithParam<bool> {};
 
 TEST_P(QuantizedGemvFp8Codes, MatchFloat64) {
-  const auto gemv = GetParam() ? &cpu::portable::gemv_rows_fp8_codes : &cpu::gemv_rows_fp8_codes;
+  const auto gemv = GetParam() ? &cpu::portable::gemv_rows_codes : &cpu::gemv_rows_codes;
   std::mt19937 rng(21);
   auto finite_code = [&] {
     uint8_t c;
@@ -467,6 +467,74 @@ TEST_P(QuantizedGemvFp8Codes, MatchFloat64) {
     }
 }
 INSTANTIATE_TEST_SUITE_P(Kernels, QuantizedGemvFp8Codes, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "portable" : "dispatched"; });
+
+// gemv_rows_codes with FP4 weights, both builds, against float64 sums of the decoded codes times both scales:
+// every e2m1 and finite e4m3 code, ue8m0 weight scales per 32 (2^-127, code 0, included) and power-of-two
+// activation scales per 128, K with partial 32-, 64- and 128-wide blocks, a row step; a NaN scale (0xff)
+// reads as NaN in its row only, a NaN activation code in every row.
+class QuantizedGemvFp4Codes : public ::testing::TestWithParam<bool> {};
+
+TEST_P(QuantizedGemvFp4Codes, MatchFloat64) {
+  const auto gemv = GetParam() ? &cpu::portable::gemv_rows_codes : &cpu::gemv_rows_codes;
+  std::mt19937 rng(22);
+  auto finite_code = [&] {
+    uint8_t c;
+    do c = static_cast<uint8_t>(rng());
+    while ((c & 0x7f) == 0x7f);
+    return c;
+  };
+  const int64_t rows = 70;
+  for (int64_t k_len : {2, 30, 32, 64, 100, 128, 200, 300, 1024}) {
+    SCOPED_TRACE(testing::Message() << "K=" << k_len);
+    const int64_t kb = (k_len + 31) / 32, groups = (k_len + 127) / 128, row_bytes = k_len / 2;
+    std::vector<uint8_t> w(static_cast<std::size_t>(rows * row_bytes));
+    for (auto& c : w) c = static_cast<uint8_t>(rng());
+    std::vector<ue8m0> w_scale(static_cast<std::size_t>(rows * kb));
+    for (auto& s : w_scale) s = ue8m0{static_cast<uint8_t>(118 + rng() % 16)};
+    w_scale[3] = ue8m0{0};  // one block scaled by 2^-127, a float subnormal
+    std::vector<f8_e4m3> x(static_cast<std::size_t>(k_len));
+    for (auto& c : x) c = f8_e4m3{finite_code()};
+    std::vector<float> x_scale(static_cast<std::size_t>(groups));
+    for (auto& s : x_scale) s = std::ldexp(1.0f, static_cast<int>(rng() % 9) - 12);
+    cpu::QuantizedMatrix m;
+    m.fp4 = true;
+    m.data = w.data();
+    m.row_bytes = row_bytes;
+    m.ue8m0_scales = true;
+    m.scales = w_scale.data();
+    m.scale_ld = kb;
+    const cpu::QuantizedVector v{x.data(), x_scale.data()};
+    for (int64_t step : {1, 3}) {
+      const int64_t first = step == 1 ? 0 : 5, n_rows = (rows - first + step - 1) / step;
+      std::vector<float> y(static_cast<std::size_t>(n_rows), std::numeric_limits<float>::quiet_NaN());
+      gemv(m, first, step, v, y.data(), n_rows, k_len);
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const int64_t n = first + i * step;
+        double ref = 0, magnitude = 0;
+        for (int64_t k = 0; k < k_len; ++k) {
+          const uint8_t pair = w[static_cast<std::size_t>(n * row_bytes + k / 2)];
+          const double term = e2m1_definition(static_cast<uint8_t>(k % 2 ? pair >> 4 : pair & 0xf)) *
+                              e4m3_definition(x[static_cast<std::size_t>(k)].bits) *
+                              std::ldexp(1.0, w_scale[static_cast<std::size_t>(n * kb + k / 32)].bits - 127) *
+                              x_scale[static_cast<std::size_t>(k / 128)];
+          ref += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(y[static_cast<std::size_t>(i)], ref, 1e-6 * magnitude + 1e-37) << "row " << n;
+      }
+    }
+    // A NaN scale: that row only; a NaN activation code: every row.
+    w_scale[static_cast<std::size_t>(7 * kb + kb - 1)] = ue8m0{0xff};
+    std::vector<float> y(static_cast<std::size_t>(rows));
+    gemv(m, 0, 1, v, y.data(), rows, k_len);
+    for (int64_t n = 0; n < rows; ++n) EXPECT_EQ(std::isnan(y[static_cast<std::size_t>(n)]), n == 7) << n;
+    x[static_cast<std::size_t>(k_len - 1)] = f8_e4m3{0x7f};
+    gemv(m, 0, 1, v, y.data(), rows, k_len);
+    for (int64_t n = 0; n < rows; ++n) EXPECT_TRUE(std::isnan(y[static_cast<std::size_t>(n)])) << n;
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Kernels, QuantizedGemvFp4Codes, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "portable" : "dispatched"; });
 
 TEST(QuantizationConfig, NamesAndDefaults) {

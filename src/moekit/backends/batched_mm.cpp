@@ -4,9 +4,9 @@
 // bounded at any token count: tokens run in blocks, each block's pairs in a fixed-size workspace.
 // Quantised weights (FP8, FP4) are read in their stored bytes by the quantised gemv, which converts them
 // in registers, so decode reads half (FP8) or a quarter (FP4) of bf16's bytes; activations are quantised
-// per token (and per pair, for the down projection's input) right before each projection. With FP8 weights
-// the products take the activations' e4m3 codes and group scales (gemv_rows_fp8_codes: code times code,
-// both scales applied per 128-wide block), which reads a quarter of float x's bytes per weight byte.
+// per token (and per pair, for the down projection's input) right before each projection. The products take
+// the activations' e4m3 codes and group scales (gemv_rows_codes: code times code, both scales applied per
+// weight scale block), which reads half of float x's bytes per weight value.
 #include <algorithm>
 
 #include "moekit/backends/builtin_backends.h"
@@ -37,7 +37,7 @@ int64_t row_bytes(const cpu::ExpertLayout& l, DType activation_dtype, int64_t k_
 }
 
 // The workspace of one block of tokens: x rows, then per pair the projected, hidden and down outputs, all
-// in float; with FP8 weights also the activation codes' group scales (x rows', hidden rows') and the codes.
+// in float; with quantised weights also the activation codes' group scales (x rows', hidden rows') and the codes.
 // With a null base only the size is meaningful.
 struct Workspace {
   int64_t h_groups = 0, i_groups = 0;
@@ -52,7 +52,7 @@ struct Workspace {
     const int64_t H = s.hidden, I = s.intermediate, K = s.top_k;
     const int64_t N = p.config.has_gate ? 2 * I : I;
     const int64_t block = std::min(s.tokens, kTokensPerBlock);
-    codes = p.config.quantization.weights == WeightFormat::fp8_e4m3;
+    codes = p.config.quantization.quantized();
     h_groups = (H + kActivationGroupSize - 1) / kActivationGroupSize;
     i_groups = (I + kActivationGroupSize - 1) / kActivationGroupSize;
     auto* f = static_cast<float*>(base);
@@ -139,7 +139,7 @@ class BatchedMm final : public PortableBackend {
           const float* xt = x + (q / K) * H;
           float* y = projected + q * N + n0;
           if (ws.codes) {
-            cpu::gemv_rows_fp8_codes(layout.up_quantized(expert(i)), n0, 1, x_codes(q / K), y, nn, H);
+            cpu::gemv_rows_codes(layout.up_quantized(expert(i)), n0, 1, x_codes(q / K), y, nn, H);
             continue;
           }
           if (layout.quantized) {
@@ -175,7 +175,7 @@ class BatchedMm final : public PortableBackend {
           float* y = down + q * H + h0;
           if (layout.quantized) {
             if (ws.codes)
-              cpu::gemv_rows_fp8_codes(layout.down_quantized(expert(i)), h0, 1, hidden_codes(q), y, hn, I);
+              cpu::gemv_rows_codes(layout.down_quantized(expert(i)), h0, 1, hidden_codes(q), y, hn, I);
             else
               cpu::gemv_rows_quantized(layout.down_quantized(expert(i)), h0, 1, hidden + q * I, y, hn, I);
             cpu::add_bias(layout.down_bias, expert(i), h0, hn, y);

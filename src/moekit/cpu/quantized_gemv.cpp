@@ -5,7 +5,7 @@
 namespace moekit::cpu {
 namespace {
 
-// The code-times-code FP8 kernel needs vdpbf16ps (AVX512-BF16) and vpermi2b (VBMI) on top of AVX-512.
+// The code-times-code kernels need vdpbf16ps (AVX512-BF16) and vpermi2b (VBMI) on top of AVX-512.
 bool cpu_has_avx512_bf16() {
   static const bool has =
       gemv_uses_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
@@ -40,29 +40,32 @@ void portable_gemv_rows(const QuantizedMatrix& w, int64_t first_row, int64_t row
 
 }  // namespace
 
-// Portable build of gemv_rows_fp8_codes, in the AVX-512 build's grouping.
-void portable::gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step,
-                                   const QuantizedVector& x, float* y, int64_t n_rows, int64_t k_len) {
+// Portable build of gemv_rows_codes, in the AVX-512 builds' grouping (per weight scale block: 128 values for
+// FP8, 32 for FP4).
+void portable::gemv_rows_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
+                               float* y, int64_t n_rows, int64_t k_len) {
+  const int64_t block = w.fp4 ? 32 : 128;
   for (int64_t i = 0; i < n_rows; ++i) {
     const int64_t n = first_row + i * row_step;
-    const uint8_t* row = w.data + n * w.row_bytes;
     float acc = 0;
-    for (int64_t k0 = 0; k0 < k_len; k0 += 128) {
-      const int64_t k1 = std::min(k_len, k0 + 128);
+    for (int64_t k0 = 0; k0 < k_len; k0 += block) {
+      const int64_t k1 = std::min(k_len, k0 + block);
       float partial = 0;
-      for (int64_t k = k0; k < k1; ++k) partial += to_float(f8_e4m3{row[k]}) * to_float(x.codes[k]);
+      for (int64_t k = k0; k < k1; ++k) partial += code_value(w, n, k) * to_float(x.codes[k]);
       acc += partial * (w.scale(n, k0) * x.scales[k0 / 128]);
     }
     y[i] = acc;
   }
 }
 
-void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
-                         float* y, int64_t n_rows, int64_t k_len) {
-  if (cpu_has_avx512_bf16())
-    avx512_bf16::gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
+void gemv_rows_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x, float* y,
+                     int64_t n_rows, int64_t k_len) {
+  if (!cpu_has_avx512_bf16())
+    portable::gemv_rows_codes(w, first_row, row_step, x, y, n_rows, k_len);
+  else if (w.fp4)
+    avx512_bf16::gemv_rows_fp4_codes(w, first_row, row_step, x, y, n_rows, k_len);
   else
-    portable::gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
+    avx512_bf16::gemv_rows_fp8_codes(w, first_row, row_step, x, y, n_rows, k_len);
 }
 
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,

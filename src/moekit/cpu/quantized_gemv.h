@@ -2,7 +2,7 @@
 // FP4 e2m1 pairs with a ue8m0 scale per 32 values), for the (token, expert) pairs of batched_mm and the
 // decode rows of grouped_mm; and one row dequantised to float, for the backends that pack weights.
 // Kernel layer: raw pointers and sizes. The AVX-512 builds (quantized_gemv_avx512.cpp, and
-// quantized_gemv_avx512_bf16.cpp for FP8 times activation codes) are chosen at run time like the other
+// quantized_gemv_avx512_bf16.cpp for weight codes times activation codes) are chosen at run time like the other
 // gemv kernels.
 #pragma once
 
@@ -44,12 +44,14 @@ struct QuantizedVector {
   const float* scales = nullptr;
 };
 
-// The same products for FP8 weights and quantised activations, from both sides' codes: per 128-wide block,
-// the sum of W code * x code (every such product is exact in float), times the weight block's scale times the
-// activation group's scale (activation groups and weight K-blocks are both 128 wide). The only rounding is
-// in the float sums and the one product of the two scales. NaN codes read as NaN.
-void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
-                         float* y, int64_t n_rows, int64_t k_len);
+// The same products for quantised weights and quantised activations, from both sides' codes. FP8 weights: per
+// 128-wide block, the sum of W code * x code (every such product is exact in float), times the weight block's
+// scale times the activation group's scale (activation groups and weight K-blocks are both 128 wide). FP4
+// weights: the same per 32-wide block of the weight's scales (e2m1 times e4m3 is exact too), times the block's
+// ue8m0 scale times the scale of the activation group holding it. The only rounding is in the float sums and
+// the one product of the two scales (exact for ue8m0 weight scales). NaN codes and NaN scales read as NaN.
+void gemv_rows_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x, float* y,
+                     int64_t n_rows, int64_t k_len);
 
 // out[k] = W(n, k) for k in [0, k_len): one row dequantised to float.
 void dequantize_row(const QuantizedMatrix& w, int64_t n, float* out, int64_t k_len);
@@ -58,12 +60,14 @@ namespace avx512 {
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
                          int64_t n_rows, int64_t k_len);
 }  // namespace avx512
-namespace portable {  // what gemv_rows_fp8_codes runs on CPUs without AVX512-BF16 and VBMI (tested everywhere)
-void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
-                         float* y, int64_t n_rows, int64_t k_len);
+namespace portable {  // what gemv_rows_codes runs on CPUs without AVX512-BF16 and VBMI (tested everywhere)
+void gemv_rows_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x, float* y,
+                     int64_t n_rows, int64_t k_len);
 }  // namespace portable
 namespace avx512_bf16 {  // AVX512-BF16 and VBMI
 void gemv_rows_fp8_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
+                         float* y, int64_t n_rows, int64_t k_len);
+void gemv_rows_fp4_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const QuantizedVector& x,
                          float* y, int64_t n_rows, int64_t k_len);
 }  // namespace avx512_bf16
 
