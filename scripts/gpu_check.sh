@@ -2,7 +2,7 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|profile|stress|ab|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|profile|kprofile|stress|ab|all]   (default all); results under $OUT if set.
 # decode: batched_mm at 1 and 8 tokens with graphs, bf16 / FP8 / FP4 weights, the quantised ones through the
 # tensor-core path and through the older kernels (MOEKIT_BATCHED_MM_TENSOR_CORES=0), in one lease.
 # gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
@@ -14,6 +14,9 @@
 # profile: Nsight Compute on the Hopper GEMM alone, one launch per case of PROFILE_CASES (';'-separated `moekit
 # bench-gemm` arguments): throughputs and warp stalls (profile_N.txt), and stall samples per SASS instruction
 # (profile_N_sass.csv) for reading where the math warps wait.
+# kprofile: the same Nsight Compute sections on one kernel of a `moekit bench` run: KPROFILE_KERNEL (a regex of the
+# kernel's name, default the quantised batched_mm up kernel) in KPROFILE_CASES (';'-separated `moekit bench`
+# arguments, one case each), one launch after two skipped (kprofile_N.txt, kprofile_N_sass.csv).
 # stress: deepgemm at sizes with many all-padding warpgroups, STRESS_CALLS calls per case (default 5000), each
 # case under `timeout STRESS_SECONDS` (default 90): a hang in the grouped GEMM's pipeline becomes a failure that
 # names its case (the session-9 hang needed thousands of calls to show).
@@ -102,6 +105,23 @@ if [[ $what == profile ]]; then
     grep -E "Duration|Throughput|gmma|Issue Slots|Warp Cycles Per Issued|No Eligible|Active Warps" "$out/profile_$i.txt" | head -30
     rm -f "$out/profile_$i.ncu-rep"
   done 2>&1 | tee "$out/profile.log"
+fi
+if [[ $what == kprofile ]]; then
+  IFS=';' read -ra cases <<<"${KPROFILE_CASES:---shape deepseek-v3 --tokens 1 --backends batched_mm --weights fp8}"
+  for i in "${!cases[@]}"; do
+    echo "== ${cases[$i]} (kernel ${KPROFILE_KERNEL:-up_kernel})"
+    # shellcheck disable=SC2086
+    ncu --clock-control none -k "regex:${KPROFILE_KERNEL:-up_kernel}" --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats -f -o "$out/kprofile_$i" ./gpu-bundle/moekit bench --device cuda \
+      --warmup 1 --repeats 2 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} >"$out/kprofile_$i.log" 2>&1
+    tail -3 "$out/kprofile_$i.log"; rm -f "$out/kprofile_$i.log"
+    ncu -i "$out/kprofile_$i.ncu-rep" --page details >"$out/kprofile_$i.txt" 2>&1
+    ncu -i "$out/kprofile_$i.ncu-rep" --page source --csv --print-source sass >"$out/kprofile_${i}_sass.csv" 2>&1
+    grep -E "Duration|Throughput|Issue Slots|Warp Cycles Per Issued|No Eligible|Active Warps|Registers|Stall" \
+      "$out/kprofile_$i.txt" | head -40
+    rm -f "$out/kprofile_$i.ncu-rep"
+  done 2>&1 | tee "$out/kprofile.log"
 fi
 if [[ $what == stress ]]; then
   for weights in bf16 fp8; do
