@@ -8,7 +8,8 @@
 # gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
 # sass: registers, stack and spills of the Hopper kernels (and batched_mm's tensor-core ones), and their count of HGMMA / QGMMA
 # (wgmma), HMMA / QMMA (mma.sync: does the e4m3 mma.sync of batched_mm's FP8 kernels run as QMMA, or as HMMA after F2FP
-# conversions?), F2FP and local-memory instructions (LDL/STL), from the disassembly (cuobjdump exists on the GPU machine only).
+# conversions?), F2FP and local-memory instructions (LDL/STL), from the disassembly (scripts/sass_counts.sh; on this
+# machine too after scripts/fetch_sass_tools.sh).
 # ncu: each kernel's GPU time in one call of each case of NCU_CASES (';'-separated `moekit bench` arguments,
 # one backend and one token count each), from Nsight Compute with the clocks left alone; kernels run one
 # at a time under ncu, so programmatic-launch overlap is not in these numbers.
@@ -201,12 +202,7 @@ fi
 if [[ $what == sass || $what == all ]]; then
   cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 -E "hopper|tensor_core" | grep -E "Function|REG" |
     sed -E 's/^.*Function ([^ ]*):.*/\1/' | tee "$out/hopper_resources.log"
-  cuobjdump -sass -arch sm_90a gpu-bundle/moekit 2>/dev/null | awk '
-    /Function :/ { f = ($3 ~ /hopper|tensor_core/) ? $3 : "" }
-    f != "" && /HGMMA/ { h[f]++ } f != "" && /QGMMA/ { q[f]++ } f != "" && /(LDL|STL)/ { l[f]++ }
-    f != "" && / HMMA/ { hm[f]++ } f != "" && / QMMA/ { qm[f]++ } f != "" && / F2FP/ { cv[f]++ }
-    f != "" { seen[f] = 1 }
-    END { for (k in seen) printf "%s HGMMA=%d QGMMA=%d HMMA=%d QMMA=%d F2FP=%d LDL/STL=%d\n", k, h[k], q[k], hm[k], qm[k], cv[k], l[k] }' |
+  ./scripts/sass_counts.sh gpu-bundle/moekit 2>/dev/null |
     tee "$out/hopper_sass.log"
 fi
 exit $status
