@@ -142,7 +142,12 @@ std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t exp
 
 namespace moekit::cpu {
 
-RowBuffers::RowBuffers(const ExpertsProblem& p, int64_t pad_rows) {
+bool uses_block_scaled_codes(const ExpertsProblem& p) {
+  return p.config.quantization.weights == WeightFormat::fp8_e4m3 && p.gate_up_proj_scale_inv.dtype() == DType::f32;
+}
+
+RowBuffers::RowBuffers(const ExpertsProblem& p, int64_t pad_rows, bool codes)
+    : block_scaled_codes(codes), pad_rows_(pad_rows) {
   const ExpertsShape s = validate(p);
   max_rows = s.tokens * s.top_k;
   hidden = s.hidden;
@@ -154,22 +159,32 @@ RowBuffers::RowBuffers(const ExpertsProblem& p, int64_t pad_rows) {
   // moves ~5% of the intermediates across an e4m3 rounding boundary before the second projection (2-3e-2
   // relative error at a token). Such problems multiply in f32. With ue8m0 scales (and FP4, always ue8m0)
   // the values are codes times powers of two, which bf16 holds exactly.
-  if (p.config.quantization.weights == WeightFormat::fp8_e4m3 && p.gate_up_proj_scale_inv.dtype() == DType::f32)
-    gemm = GemmDType::f32;
+  // Block-scaled codes avoid that (their products are exact in bf16) where the caller multiplies per block.
+  MOEKIT_CHECK(!codes || uses_block_scaled_codes(p),
+               "RowBuffers: block-scaled codes are for FP8 weights with float scales");
+  if (uses_block_scaled_codes(p)) gemm = codes ? GemmDType::bf16 : GemmDType::f32;
+  h_groups = (hidden + kActivationGroupSize - 1) / kActivationGroupSize;
+  i_groups = (intermediate + kActivationGroupSize - 1) / kActivationGroupSize;
   const std::size_t g = gemm_dtype_size(gemm);
   x_bytes = aligned(static_cast<std::size_t>((max_rows + pad_rows) * hidden) * g);
   hidden_bytes = aligned(static_cast<std::size_t>((max_rows + pad_rows) * intermediate) * g);
   y_bytes = aligned(static_cast<std::size_t>(max_rows * hidden) * sizeof(float));
+  if (codes)
+    scale_bytes = aligned(static_cast<std::size_t>((max_rows + pad_rows) * (h_groups + i_groups)) * sizeof(float));
 }
 
 void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst,
-                 const ActivationQuantization& quantization) {
+                 const ActivationQuantization& quantization, float* scales) {
   const int64_t H = hidden_states.size(1);
   const auto rows = static_cast<int64_t>(row_token.size());
+  MOEKIT_CHECK(!scales || (quantization.enabled && dtype == GemmDType::bf16),
+               "gather_rows: codes are for quantised activations in bf16");
   if (quantization.enabled) {  // through float: quantisation reads whole groups of the row
 #pragma omp parallel
     {
       std::vector<float> row(static_cast<std::size_t>(H));
+      std::vector<f8_e4m3> codes(scales ? static_cast<std::size_t>(H) : 0);
+      const int64_t groups = (H + kActivationGroupSize - 1) / kActivationGroupSize;
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
         visit_float_dtype(hidden_states.dtype(), [&](auto tag) {
@@ -177,6 +192,12 @@ void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_to
           const A* src = static_cast<const A*>(hidden_states.data()) + row_token[static_cast<std::size_t>(r)] * H;
           for (int64_t h = 0; h < H; ++h) row[static_cast<std::size_t>(h)] = to_float(src[h]);
         });
+        if (scales) {
+          quantization.apply(row.data(), H, codes.data(), scales + r * groups);
+          bf16* d = static_cast<bf16*>(dst) + r * H;
+          for (int64_t h = 0; h < H; ++h) d[h] = from_float<bf16>(to_float(codes[static_cast<std::size_t>(h)]));
+          continue;
+        }
         quantization.apply(row.data(), H);
         if (dtype == GemmDType::bf16) {
           bf16* d = static_cast<bf16*>(dst) + r * H;
@@ -225,9 +246,17 @@ void gather_weight_rows(const MatrixView& w, DType w_dtype, const std::vector<in
 
 void activate_into(const ExpertsConfig& config, const float* gate, int64_t gate_stride, const float* up,
                    int64_t up_stride, int64_t n, const ActivationQuantization& quantization, GemmDType dtype, void* dst,
-                   float* scratch) {
+                   float* scratch, float* scales) {
   if (quantization.enabled) {
     apply_activation(config, gate, gate_stride, up, up_stride, n, scratch);
+    if (scales) {
+      MOEKIT_CHECK(dtype == GemmDType::bf16, "activate_into: codes are written as bf16");
+      thread_local std::vector<f8_e4m3> codes;
+      codes.resize(static_cast<std::size_t>(n));
+      quantization.apply(scratch, n, codes.data(), scales);
+      for (int64_t j = 0; j < n; ++j) static_cast<bf16*>(dst)[j] = from_float<bf16>(to_float(codes[static_cast<std::size_t>(j)]));
+      return;
+    }
     quantization.apply(scratch, n);
     if (dtype == GemmDType::bf16)
       for (int64_t j = 0; j < n; ++j) static_cast<bf16*>(dst)[j] = from_float<bf16>(scratch[j]);
@@ -253,6 +282,16 @@ void gather_weight_rows(const QuantizedMatrix& w, const std::vector<int64_t>& ou
     } else {
       dequantize_row(w, outputs[i], static_cast<float*>(dst) + base, k_len);
     }
+  }
+}
+
+void gather_weight_codes(const QuantizedMatrix& w, const std::vector<int64_t>& outputs, int64_t k0, int64_t k_len,
+                         bf16* dst) {
+  MOEKIT_CHECK(!w.fp4, "gather_weight_codes: FP8 weights only");
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const uint8_t* row = w.data + outputs[i] * w.row_bytes + k0;
+    bf16* d = dst + static_cast<int64_t>(i) * k_len;
+    for (int64_t k = 0; k < k_len; ++k) d[k] = from_float<bf16>(to_float(f8_e4m3{row[k]}));
   }
 }
 

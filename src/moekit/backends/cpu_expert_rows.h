@@ -82,36 +82,57 @@ std::vector<int64_t> pairs_in_token_order(const Tensor& top_k_index, int64_t exp
 
 namespace moekit::cpu {
 
+// Whether a problem's quantised rows can be multiplied as block-scaled codes: FP8 weights with float scales,
+// whose values (code * scale) bf16 cannot hold (see RowBuffers). The products then run per 128-wide block of
+// K on bf16 copies of the e4m3 codes of both sides (exact), and each block's float sums are multiplied by the
+// activation group's scale times the weight block's scale.
+bool uses_block_scaled_codes(const ExpertsProblem& p);
+
 // The buffers of the sorted-row pipeline (eager and grouped_mm) carved from one workspace, each
 // 64-byte aligned: gathered rows x [rows + pad, H] and hidden [rows + pad, I] in the gemm dtype,
-// down outputs y [rows, H] in float, and what the backend adds after them (extra_bytes).
+// down outputs y [rows, H] in float, with block-scaled codes the activation scales of x [rows + pad,
+// ceil(H / 128)] and of hidden [rows + pad, ceil(I / 128)], and what the backend adds after them
+// (extra_bytes).
 struct RowBuffers {
   int64_t max_rows = 0, hidden = 0, intermediate = 0, up_outputs = 0;
+  int64_t h_groups = 0, i_groups = 0;  // 128-wide activation groups of an x row and of a hidden row
   GemmDType gemm = GemmDType::f32;
-  std::size_t x_bytes = 0, hidden_bytes = 0, y_bytes = 0, extra_bytes = 0;
+  bool block_scaled_codes = false;  // x and hidden hold bf16 e4m3 codes, their scales apart
+  std::size_t x_bytes = 0, hidden_bytes = 0, y_bytes = 0, scale_bytes = 0, extra_bytes = 0;
 
-  // pad_rows: rows past the last one that products may read (zeroed by the backend).
-  RowBuffers(const ExpertsProblem& p, int64_t pad_rows);
-  std::size_t total() const { return x_bytes + hidden_bytes + y_bytes + extra_bytes; }
+  // pad_rows: rows past the last one that products may read (zeroed by the backend). codes: the caller
+  // multiplies block-scaled codes (only where uses_block_scaled_codes(p)); gemm is then bf16.
+  RowBuffers(const ExpertsProblem& p, int64_t pad_rows, bool codes = false);
+  std::size_t total() const { return x_bytes + hidden_bytes + y_bytes + scale_bytes + extra_bytes; }
   static std::size_t aligned(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
 
   char* x(void* workspace) const { return static_cast<char*>(workspace); }
   char* hidden_rows(void* workspace) const { return x(workspace) + x_bytes; }
   float* y(void* workspace) const { return reinterpret_cast<float*>(hidden_rows(workspace) + hidden_bytes); }
-  char* extra(void* workspace) const { return reinterpret_cast<char*>(y(workspace)) + y_bytes; }
+  float* x_scales(void* workspace) const { return reinterpret_cast<float*>(reinterpret_cast<char*>(y(workspace)) + y_bytes); }
+  float* hidden_scales(void* workspace) const {
+    return x_scales(workspace) + (max_rows + pad_rows_) * h_groups;
+  }
+  char* extra(void* workspace) const { return reinterpret_cast<char*>(y(workspace)) + y_bytes + scale_bytes; }
+
+ private:
+  int64_t pad_rows_ = 0;
 };
 
 // dst [rows, H] in the gemm dtype (see onednn_matmul.h) = hidden_states[row_token[row]], converted, and
 // quantised first where the problem's activations are. Runs on all threads.
+// With scales (block-scaled codes: dtype bf16, quantisation enabled), dst receives the e4m3 codes as bf16 and
+// scales [rows, ceil(H / 128)] the group scales.
 void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_token, GemmDType dtype, void* dst,
-                 const ActivationQuantization& quantization);
+                 const ActivationQuantization& quantization, float* scales = nullptr);
 
 // dst [n] in the gemm dtype = act(gate, up) for n intermediate columns (see apply_activation), quantised
 // per 128-wide group first where the problem's activations are (the columns then start at a group
 // boundary). scratch holds n floats.
+// With scales (block-scaled codes), dst receives the e4m3 codes as bf16 and scales the ceil(n / 128) group scales.
 void activate_into(const ExpertsConfig& config, const float* gate, int64_t gate_stride, const float* up,
                    int64_t up_stride, int64_t n, const ActivationQuantization& quantization, GemmDType dtype, void* dst,
-                   float* scratch);
+                   float* scratch, float* scales = nullptr);
 
 // dst [count, k_len] in the gemm dtype: row i = output row outputs[i] of the weight matrix w (of
 // dtype w_dtype), converted. How weights in any layout become the rows oneDNN packs.
@@ -120,5 +141,9 @@ void gather_weight_rows(const MatrixView& w, DType w_dtype, const std::vector<in
 // The same from quantised weights: row i = output row outputs[i] of w, dequantised and converted.
 void gather_weight_rows(const QuantizedMatrix& w, const std::vector<int64_t>& outputs, int64_t k_len, GemmDType dtype,
                         void* dst);
+// dst [count, k_len] bf16: row i = the e4m3 codes of FP8 weight row outputs[i] of w at k0 .. k0 + k_len - 1,
+// as bf16 values (exact), before their scales.
+void gather_weight_codes(const QuantizedMatrix& w, const std::vector<int64_t>& outputs, int64_t k0, int64_t k_len,
+                         bf16* dst);
 
 }  // namespace moekit::cpu

@@ -6,7 +6,11 @@
 // product while its output is still in cache.
 // Quantised weights are dequantised into the gemm dtype as they are packed (once, like any packing), so
 // the products run at bf16 speed on exactly the dequantised weights; the packed copy costs bf16's memory
-// next to the quantised bytes. Decode-sized blocks read the quantised bytes in place (quantised gemv).
+// next to the quantised bytes. FP8 weights with float scales (whose values bf16 cannot hold) are packed
+// instead as bf16 copies of their codes, one packing per 128-wide block of K: each block's product of
+// activation codes and weight codes is exact in its float sums, and the block's activation scale times its
+// weight scale is applied to those sums (block-scaled codes; f32 products would cost twice bf16's time).
+// Decode-sized blocks read the quantised bytes in place (quantised gemv).
 // Activations are quantised per row as they are gathered, and the hidden rows per 128-wide chunk right
 // after the activation (a first-projection chunk is one activation group).
 #include <algorithm>
@@ -64,6 +68,15 @@ const float* row_as_floats(const char* row, int64_t n, cpu::GemmDType dtype, std
   return tmp.data();
 }
 
+// A row of block-scaled codes (bf16) as the float values they stand for: code * its group's scale.
+const float* codes_as_floats(const char* row, const float* scales, int64_t n, std::vector<float>& tmp) {
+  tmp.resize(static_cast<std::size_t>(n));
+  const bf16* b = reinterpret_cast<const bf16*>(row);
+  for (int64_t i = 0; i < n; ++i)
+    tmp[static_cast<std::size_t>(i)] = to_float(b[i]) * scales[i / kActivationGroupSize];
+  return tmp.data();
+}
+
 int64_t rows_to_run(int64_t rows) {
   return rows <= kExactRows ? rows : (rows + kRowRound - 1) / kRowRound * kRowRound;
 }
@@ -76,6 +89,25 @@ struct PackedProjection {
     return *chunks[static_cast<std::size_t>(e * per_expert + c)];
   }
 };
+
+// The weight rows of first-projection chunk c, in the packed order: its gate columns, then its up columns
+// (gated), or its columns.
+std::vector<int64_t> up_chunk_outputs(const cpu::ExpertLayout& l, int64_t c) {
+  const int64_t j0 = c * kUpChunk, width = std::min(kUpChunk, l.intermediate - j0);
+  std::vector<int64_t> outputs;
+  for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.has_gate ? l.gate_column(j) : j);
+  if (l.has_gate)
+    for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.up_column(j));
+  return outputs;
+}
+
+// The weight rows (hidden columns) of second-projection chunk c.
+std::vector<int64_t> down_chunk_outputs(const cpu::ExpertLayout& l, int64_t c) {
+  const int64_t h0 = c * kDownChunk, width = std::min(kDownChunk, l.hidden - h0);
+  std::vector<int64_t> outputs;
+  for (int64_t h = h0; h < h0 + width; ++h) outputs.push_back(h);
+  return outputs;
+}
 
 // Quantised weights also name their scales' bytes: packing dequantises with them. (Writing into the scales
 // in place needs mark_modified() on the weights, as writing into the weights does.)
@@ -113,6 +145,65 @@ std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t 
   return packed;
 }
 
+// Block-scaled codes: chunk c of every expert packed per 128-wide block b of K, bf16 codes, as entry
+// (c * blocks + b) of the expert; weight(e) gives expert e's quantised matrix.
+template <typename Weight, typename Outputs>
+std::shared_ptr<PackedProjection> pack_codes(int64_t experts, int64_t chunks, int64_t k_len, Weight&& weight,
+                                             Outputs&& outputs_of) {
+  const int64_t blocks = (k_len + kActivationGroupSize - 1) / kActivationGroupSize;
+  auto packed = std::make_shared<PackedProjection>();
+  packed->per_expert = chunks * blocks;
+  packed->chunks.resize(static_cast<std::size_t>(experts * chunks * blocks));
+#pragma omp parallel
+  {
+    std::vector<bf16> rows;
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < experts * chunks * blocks; ++task) {
+      const int64_t e = task / (chunks * blocks), c = task / blocks % chunks, b = task % blocks;
+      const int64_t k0 = b * kActivationGroupSize, width = std::min(kActivationGroupSize, k_len - k0);
+      const std::vector<int64_t> outputs = outputs_of(c);
+      rows.resize(outputs.size() * static_cast<std::size_t>(width));
+      cpu::gather_weight_codes(weight(e), outputs, k0, width, rows.data());
+      packed->chunks[static_cast<std::size_t>(task)] = std::make_unique<cpu::PackedWeights>(
+          rows.data(), static_cast<int64_t>(outputs.size()), width, cpu::GemmDType::bf16);
+    }
+  }
+  return packed;
+}
+
+// out [rows, cols] = the chunk's product over block-scaled codes: for each 128-wide block b of K, the
+// product of the rows' codes a (bf16, row stride k_len; m rows run, the first `rows` kept) with the packed
+// block (packed.at(e, first + b)), its float sums times a_scales[row, b] * the weight scale of each column
+// (w.scale(outputs[col], 128 b)). partial holds m * cols floats; w_scales and block are scratch.
+void multiply_block_scaled(const PackedProjection& packed, int64_t e, int64_t first, const cpu::QuantizedMatrix& w,
+                           const std::vector<int64_t>& outputs, const char* a, int64_t k_len, int64_t m, int64_t rows,
+                           const float* a_scales, int64_t a_scale_ld, float* out, float* partial,
+                           std::vector<float>& w_scales, std::vector<bf16>& block) {
+  const int64_t blocks = (k_len + kActivationGroupSize - 1) / kActivationGroupSize;
+  const auto cols = static_cast<int64_t>(outputs.size());
+  std::fill(out, out + rows * cols, 0.0f);
+  w_scales.resize(static_cast<std::size_t>(cols));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t k0 = b * kActivationGroupSize;
+    // The block's columns of the rows, made contiguous: oneDNN falls back to its reference matmul for a
+    // 128-deep bf16 product whose rows are strided (measured: 125 ms against 0.3 ms).
+    const int64_t width = std::min(kActivationGroupSize, k_len - k0);
+    block.resize(static_cast<std::size_t>(m * width));
+    for (int64_t r = 0; r < m; ++r) {
+      const auto* src = reinterpret_cast<const bf16*>(a) + r * k_len + k0;
+      std::copy(src, src + width, block.data() + r * width);
+    }
+    packed.at(e, first + b).multiply(block.data(), width, m, partial, cols);
+    for (int64_t q = 0; q < cols; ++q) w_scales[static_cast<std::size_t>(q)] = w.scale(outputs[static_cast<std::size_t>(q)], k0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float s = a_scales[r * a_scale_ld + b];
+      const float* p = partial + r * cols;
+      float* o = out + r * cols;
+      for (int64_t q = 0; q < cols; ++q) o[q] += p[q] * (s * w_scales[static_cast<std::size_t>(q)]);
+    }
+  }
+}
+
 class GroupedMm final : public PortableBackend {
  public:
   GroupedMm() : PortableBackend(MOEKIT_CUDA_KERNELS(grouped_mm)) {}
@@ -124,24 +215,28 @@ class GroupedMm final : public PortableBackend {
  protected:
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     // Activations and hidden rows carry kRowRound pad rows for the rounded-up products.
-    return cpu::RowBuffers(p, kRowRound).total();
+    return cpu::RowBuffers(p, kRowRound, cpu::uses_block_scaled_codes(p)).total();
   }
 
   void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);
-    const cpu::RowBuffers z(p, kRowRound);
+    const bool codes = cpu::uses_block_scaled_codes(p);  // see multiply_block_scaled
+    const cpu::RowBuffers z(p, kRowRound, codes);
     const cpu::ExpertRouting routing = cpu::route_by_expert(p.top_k_index, layout.experts);
     const int64_t E = layout.experts, H = z.hidden, I = z.intermediate;
     const std::size_t g = cpu::gemm_dtype_size(z.gemm);
     const int64_t up_chunks = (I + kUpChunk - 1) / kUpChunk, down_chunks = (H + kDownChunk - 1) / kDownChunk;
-    const auto up = packed_up(layout, z.gemm, up_chunks);
-    const auto down = packed_down(layout, z.gemm, down_chunks);
+    const auto up = codes ? packed_up_codes(layout, up_chunks) : packed_up(layout, z.gemm, up_chunks);
+    const auto down = codes ? packed_down_codes(layout, down_chunks) : packed_down(layout, z.gemm, down_chunks);
+    const int64_t h_blocks = z.h_groups, i_blocks = z.i_groups;  // 128-wide blocks of K per projection
 
     char* x = z.x(workspace);
     char* hidden = z.hidden_rows(workspace);
     float* y = z.y(workspace);
+    float* x_scales = codes ? z.x_scales(workspace) : nullptr;
+    float* hidden_scales = codes ? z.hidden_scales(workspace) : nullptr;
     const int64_t rows = routing.rows();
-    cpu::gather_rows(p.hidden_states, routing.row_token, z.gemm, x, layout.activations);
+    cpu::gather_rows(p.hidden_states, routing.row_token, z.gemm, x, layout.activations, x_scales);
     std::fill(x + static_cast<std::size_t>(rows * H) * g, x + static_cast<std::size_t>((rows + kRowRound) * H) * g, 0);
     std::fill(hidden + static_cast<std::size_t>(rows * I) * g,
               hidden + static_cast<std::size_t>((rows + kRowRound) * I) * g, 0);
@@ -158,26 +253,34 @@ class GroupedMm final : public PortableBackend {
 
 #pragma omp parallel
     {
-      std::vector<float> scratch(static_cast<std::size_t>(rows_to_run(kRowBlock) * std::max(2 * kUpChunk, kDownChunk)));
+      const auto scratch_floats = static_cast<std::size_t>(rows_to_run(kRowBlock) * std::max(2 * kUpChunk, kDownChunk));
+      std::vector<float> scratch(scratch_floats), partial(codes ? scratch_floats : 0), w_scales;
+      std::vector<bf16> block;
       std::vector<float> chunk_bias, row_f32, activated(static_cast<std::size_t>(kUpChunk));
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_blocks * up_chunks; ++task) {
         const Block& b = blocks[static_cast<std::size_t>(task / up_chunks)];
         const int64_t c = task % up_chunks, j0 = c * kUpChunk, width = std::min(kUpChunk, I - j0);
-        const cpu::PackedWeights& w = up->at(b.e, c);
-        const int64_t cols = w.n();  // 2 * width with a gate, width without
+        const int64_t cols = layout.has_gate ? 2 * width : width;
         if (b.rows <= kGemvRows && !layout.is_transposed) {
           const int64_t step = layout.is_concatenated ? 1 : 2;
           for (int64_t r = 0; r < b.rows; ++r) {
-            const float* v = row_as_floats(x + static_cast<std::size_t>((b.first + r) * H) * g, H, z.gemm, row_f32);
+            const char* xr = x + static_cast<std::size_t>((b.first + r) * H) * g;
+            const float* v = codes ? codes_as_floats(xr, x_scales + (b.first + r) * h_blocks, H, row_f32)
+                                   : row_as_floats(xr, H, z.gemm, row_f32);
             float* out_row = scratch.data() + r * cols;
             gemv_weight_rows(layout, true, b.e, layout.has_gate ? layout.gate_column(j0) : j0, step, width, v, H,
                              out_row);
             if (layout.has_gate)
               gemv_weight_rows(layout, true, b.e, layout.up_column(j0), step, width, v, H, out_row + width);
           }
+        } else if (codes) {
+          multiply_block_scaled(*up, b.e, c * h_blocks, layout.up_quantized(b.e), up_chunk_outputs(layout, c),
+                                x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), b.rows,
+                                x_scales + b.first * h_blocks, h_blocks, scratch.data(), partial.data(), w_scales, block);
         } else {
-          w.multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(), cols);
+          up->at(b.e, c).multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(),
+                                  cols);
         }
         if (layout.has_bias) {  // the chunk's bias columns, in the packed order, once per task
           chunk_bias.assign(static_cast<std::size_t>(cols), 0.0f);
@@ -195,24 +298,29 @@ class GroupedMm final : public PortableBackend {
             for (int64_t q = 0; q < cols; ++q) row[q] += chunk_bias[static_cast<std::size_t>(q)];
           char* dst = hidden + static_cast<std::size_t>((b.first + r) * I + j0) * g;
           cpu::activate_into(p.config, row, 1, row + width, 1, width, layout.activations, z.gemm, dst,
-                             activated.data());
+                             activated.data(),
+                             codes ? hidden_scales + (b.first + r) * i_blocks + j0 / kActivationGroupSize : nullptr);
         }
       }
       // The implicit barrier above: every hidden row is complete before the down projection.
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < n_blocks * down_chunks; ++task) {
         const Block& b = blocks[static_cast<std::size_t>(task / down_chunks)];
-        const int64_t h0 = task % down_chunks * kDownChunk;
-        const cpu::PackedWeights& w = down->at(b.e, task % down_chunks);
-        const int64_t cols = w.n();
+        const int64_t c = task % down_chunks, h0 = c * kDownChunk, cols = std::min(kDownChunk, H - h0);
         if (b.rows <= kGemvRows && !layout.is_transposed) {
           for (int64_t r = 0; r < b.rows; ++r) {
-            const float* v =
-                row_as_floats(hidden + static_cast<std::size_t>((b.first + r) * I) * g, I, z.gemm, row_f32);
+            const char* hr = hidden + static_cast<std::size_t>((b.first + r) * I) * g;
+            const float* v = codes ? codes_as_floats(hr, hidden_scales + (b.first + r) * i_blocks, I, row_f32)
+                                   : row_as_floats(hr, I, z.gemm, row_f32);
             gemv_weight_rows(layout, false, b.e, h0, 1, cols, v, I, scratch.data() + r * cols);
           }
+        } else if (codes) {
+          multiply_block_scaled(*down, b.e, c * i_blocks, layout.down_quantized(b.e), down_chunk_outputs(layout, c),
+                                hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), b.rows,
+                                hidden_scales + b.first * i_blocks, i_blocks, scratch.data(), partial.data(), w_scales, block);
         } else {
-          w.multiply(hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), scratch.data(), cols);
+          down->at(b.e, c).multiply(hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows),
+                                    scratch.data(), cols);
         }
         for (int64_t r = 0; r < b.rows; ++r) {
           float* dst = y + (b.first + r) * H + h0;
@@ -240,14 +348,8 @@ class GroupedMm final : public PortableBackend {
   static std::shared_ptr<PackedProjection> packed_up(const cpu::ExpertLayout& l, cpu::GemmDType g, int64_t chunks) {
     const std::string key = pack_key("up", l.gate_up, l.gate_up_scale, l, g);
     auto made = l.gate_up.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack(l.experts, chunks, l.hidden, g, row_gatherer(l, true, l.hidden, g), [&](int64_t c) {
-        const int64_t j0 = c * kUpChunk, width = std::min(kUpChunk, l.intermediate - j0);
-        std::vector<int64_t> outputs;
-        for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.has_gate ? l.gate_column(j) : j);
-        if (l.has_gate)
-          for (int64_t j = j0; j < j0 + width; ++j) outputs.push_back(l.up_column(j));
-        return outputs;
-      });
+      return pack(l.experts, chunks, l.hidden, g, row_gatherer(l, true, l.hidden, g),
+                  [&](int64_t c) { return up_chunk_outputs(l, c); });
     });
     return std::static_pointer_cast<PackedProjection>(made);
   }
@@ -255,12 +357,26 @@ class GroupedMm final : public PortableBackend {
   static std::shared_ptr<PackedProjection> packed_down(const cpu::ExpertLayout& l, cpu::GemmDType g, int64_t chunks) {
     const std::string key = pack_key("down", l.down, l.down_scale, l, g);
     auto made = l.down.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack(l.experts, chunks, l.intermediate, g, row_gatherer(l, false, l.intermediate, g), [&](int64_t c) {
-        const int64_t h0 = c * kDownChunk, width = std::min(kDownChunk, l.hidden - h0);
-        std::vector<int64_t> outputs;
-        for (int64_t h = h0; h < h0 + width; ++h) outputs.push_back(h);
-        return outputs;
-      });
+      return pack(l.experts, chunks, l.intermediate, g, row_gatherer(l, false, l.intermediate, g),
+                  [&](int64_t c) { return down_chunk_outputs(l, c); });
+    });
+    return std::static_pointer_cast<PackedProjection>(made);
+  }
+
+  static std::shared_ptr<PackedProjection> packed_up_codes(const cpu::ExpertLayout& l, int64_t chunks) {
+    const std::string key = pack_key("up-codes", l.gate_up, l.gate_up_scale, l, cpu::GemmDType::bf16);
+    auto made = l.gate_up.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+      return pack_codes(l.experts, chunks, l.hidden, [&](int64_t e) { return l.up_quantized(e); },
+                        [&](int64_t c) { return up_chunk_outputs(l, c); });
+    });
+    return std::static_pointer_cast<PackedProjection>(made);
+  }
+
+  static std::shared_ptr<PackedProjection> packed_down_codes(const cpu::ExpertLayout& l, int64_t chunks) {
+    const std::string key = pack_key("down-codes", l.down, l.down_scale, l, cpu::GemmDType::bf16);
+    auto made = l.down.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+      return pack_codes(l.experts, chunks, l.intermediate, [&](int64_t e) { return l.down_quantized(e); },
+                        [&](int64_t c) { return down_chunk_outputs(l, c); });
     });
     return std::static_pointer_cast<PackedProjection>(made);
   }
