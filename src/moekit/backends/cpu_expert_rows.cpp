@@ -254,7 +254,8 @@ void activate_into(const ExpertsConfig& config, const float* gate, int64_t gate_
       thread_local std::vector<f8_e4m3> codes;
       codes.resize(static_cast<std::size_t>(n));
       quantization.apply(scratch, n, codes.data(), scales);
-      for (int64_t j = 0; j < n; ++j) static_cast<bf16*>(dst)[j] = from_float<bf16>(to_float(codes[static_cast<std::size_t>(j)]));
+      for (int64_t j = 0; j < n; ++j)
+        static_cast<bf16*>(dst)[j] = from_float<bf16>(to_float(codes[static_cast<std::size_t>(j)]));
       return;
     }
     quantization.apply(scratch, n);

@@ -109,10 +109,10 @@ struct RowBuffers {
   char* x(void* workspace) const { return static_cast<char*>(workspace); }
   char* hidden_rows(void* workspace) const { return x(workspace) + x_bytes; }
   float* y(void* workspace) const { return reinterpret_cast<float*>(hidden_rows(workspace) + hidden_bytes); }
-  float* x_scales(void* workspace) const { return reinterpret_cast<float*>(reinterpret_cast<char*>(y(workspace)) + y_bytes); }
-  float* hidden_scales(void* workspace) const {
-    return x_scales(workspace) + (max_rows + pad_rows_) * h_groups;
+  float* x_scales(void* workspace) const {
+    return reinterpret_cast<float*>(reinterpret_cast<char*>(y(workspace)) + y_bytes);
   }
+  float* hidden_scales(void* workspace) const { return x_scales(workspace) + (max_rows + pad_rows_) * h_groups; }
   char* extra(void* workspace) const { return reinterpret_cast<char*>(y(workspace)) + y_bytes + scale_bytes; }
 
  private:

@@ -72,8 +72,7 @@ const float* row_as_floats(const char* row, int64_t n, cpu::GemmDType dtype, std
 const float* codes_as_floats(const char* row, const float* scales, int64_t n, std::vector<float>& tmp) {
   tmp.resize(static_cast<std::size_t>(n));
   const bf16* b = reinterpret_cast<const bf16*>(row);
-  for (int64_t i = 0; i < n; ++i)
-    tmp[static_cast<std::size_t>(i)] = to_float(b[i]) * scales[i / kActivationGroupSize];
+  for (int64_t i = 0; i < n; ++i) tmp[static_cast<std::size_t>(i)] = to_float(b[i]) * scales[i / kActivationGroupSize];
   return tmp.data();
 }
 
@@ -194,7 +193,8 @@ void multiply_block_scaled(const PackedProjection& packed, int64_t e, int64_t fi
       std::copy(src, src + width, block.data() + r * width);
     }
     packed.at(e, first + b).multiply(block.data(), width, m, partial, cols);
-    for (int64_t q = 0; q < cols; ++q) w_scales[static_cast<std::size_t>(q)] = w.scale(outputs[static_cast<std::size_t>(q)], k0);
+    for (int64_t q = 0; q < cols; ++q)
+      w_scales[static_cast<std::size_t>(q)] = w.scale(outputs[static_cast<std::size_t>(q)], k0);
     for (int64_t r = 0; r < rows; ++r) {
       const float s = a_scales[r * a_scale_ld + b];
       const float* p = partial + r * cols;
@@ -277,7 +277,8 @@ class GroupedMm final : public PortableBackend {
         } else if (codes) {
           multiply_block_scaled(*up, b.e, c * h_blocks, layout.up_quantized(b.e), up_chunk_outputs(layout, c),
                                 x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), b.rows,
-                                x_scales + b.first * h_blocks, h_blocks, scratch.data(), partial.data(), w_scales, block);
+                                x_scales + b.first * h_blocks, h_blocks, scratch.data(), partial.data(), w_scales,
+                                block);
         } else {
           up->at(b.e, c).multiply(x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), scratch.data(),
                                   cols);
@@ -297,8 +298,7 @@ class GroupedMm final : public PortableBackend {
           if (layout.has_bias)
             for (int64_t q = 0; q < cols; ++q) row[q] += chunk_bias[static_cast<std::size_t>(q)];
           char* dst = hidden + static_cast<std::size_t>((b.first + r) * I + j0) * g;
-          cpu::activate_into(p.config, row, 1, row + width, 1, width, layout.activations, z.gemm, dst,
-                             activated.data(),
+          cpu::activate_into(p.config, row, 1, row + width, 1, width, layout.activations, z.gemm, dst, activated.data(),
                              codes ? hidden_scales + (b.first + r) * i_blocks + j0 / kActivationGroupSize : nullptr);
         }
       }
@@ -317,7 +317,8 @@ class GroupedMm final : public PortableBackend {
         } else if (codes) {
           multiply_block_scaled(*down, b.e, c * i_blocks, layout.down_quantized(b.e), down_chunk_outputs(layout, c),
                                 hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), b.rows,
-                                hidden_scales + b.first * i_blocks, i_blocks, scratch.data(), partial.data(), w_scales, block);
+                                hidden_scales + b.first * i_blocks, i_blocks, scratch.data(), partial.data(), w_scales,
+                                block);
         } else {
           down->at(b.e, c).multiply(hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows),
                                     scratch.data(), cols);
@@ -366,8 +367,9 @@ class GroupedMm final : public PortableBackend {
   static std::shared_ptr<PackedProjection> packed_up_codes(const cpu::ExpertLayout& l, int64_t chunks) {
     const std::string key = pack_key("up-codes", l.gate_up, l.gate_up_scale, l, cpu::GemmDType::bf16);
     auto made = l.gate_up.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack_codes(l.experts, chunks, l.hidden, [&](int64_t e) { return l.up_quantized(e); },
-                        [&](int64_t c) { return up_chunk_outputs(l, c); });
+      return pack_codes(
+          l.experts, chunks, l.hidden, [&](int64_t e) { return l.up_quantized(e); },
+          [&](int64_t c) { return up_chunk_outputs(l, c); });
     });
     return std::static_pointer_cast<PackedProjection>(made);
   }
@@ -375,8 +377,9 @@ class GroupedMm final : public PortableBackend {
   static std::shared_ptr<PackedProjection> packed_down_codes(const cpu::ExpertLayout& l, int64_t chunks) {
     const std::string key = pack_key("down-codes", l.down, l.down_scale, l, cpu::GemmDType::bf16);
     auto made = l.down.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack_codes(l.experts, chunks, l.intermediate, [&](int64_t e) { return l.down_quantized(e); },
-                        [&](int64_t c) { return down_chunk_outputs(l, c); });
+      return pack_codes(
+          l.experts, chunks, l.intermediate, [&](int64_t e) { return l.down_quantized(e); },
+          [&](int64_t c) { return down_chunk_outputs(l, c); });
     });
     return std::static_pointer_cast<PackedProjection>(made);
   }
