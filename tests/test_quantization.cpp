@@ -398,6 +398,39 @@ TEST(QuantizeActivations, PerGroupOf128FromAmax) {
   EXPECT_TRUE(std::isnan(to_float(codes[5])));
 }
 
+// A random e4m3 code that is not NaN.
+uint8_t random_finite_e4m3(std::mt19937& rng) {
+  uint8_t c;
+  do c = static_cast<uint8_t>(rng());
+  while ((c & 0x7f) == 0x7f);
+  return c;
+}
+
+using CodesGemv = void (*)(const cpu::QuantizedMatrix&, int64_t, int64_t, const cpu::QuantizedVector&, float*, int64_t,
+                           int64_t);
+
+// gemv over rows 0.. and every third row from 5 (row steps 1 and 3) against the float64 sums of term(n, k)
+// (one product's exact value), within 1e-6 of the sum of the terms' magnitudes (plus `floor`).
+template <typename Term>
+void expect_rows_match_float64(CodesGemv gemv, const cpu::QuantizedMatrix& m, const cpu::QuantizedVector& v,
+                               int64_t rows, int64_t k_len, double floor, Term&& term) {
+  for (int64_t step : {1, 3}) {
+    const int64_t first = step == 1 ? 0 : 5, n_rows = (rows - first + step - 1) / step;
+    std::vector<float> y(static_cast<std::size_t>(n_rows), std::numeric_limits<float>::quiet_NaN());
+    gemv(m, first, step, v, y.data(), n_rows, k_len);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      const int64_t n = first + i * step;
+      double ref = 0, magnitude = 0;
+      for (int64_t k = 0; k < k_len; ++k) {
+        const double t = term(n, k);
+        ref += t;
+        magnitude += std::fabs(t);
+      }
+      ASSERT_NEAR(y[static_cast<std::size_t>(i)], ref, 1e-6 * magnitude + floor) << "row " << n;
+    }
+  }
+}
+
 // gemv_rows_codes with FP8 weights (the build this machine picks) against float64 sums of the decoded codes times both
 // scales: every e4m3 code on both sides, row blocks of 128 with their own scales, K with partial 64- and
 // 128-wide blocks, a row step; a NaN code on either side reads as NaN.
@@ -407,12 +440,6 @@ class QuantizedGemvFp8Codes : public ::testing::TestWithParam<bool> {};
 TEST_P(QuantizedGemvFp8Codes, MatchFloat64) {
   const auto gemv = GetParam() ? &cpu::portable::gemv_rows_codes : &cpu::gemv_rows_codes;
   std::mt19937 rng(21);
-  auto finite_code = [&] {
-    uint8_t c;
-    do c = static_cast<uint8_t>(rng());
-    while ((c & 0x7f) == 0x7f);
-    return c;
-  };
   std::uniform_real_distribution<float> u(0.25f, 4.0f);
   const int64_t rows = 260;
   for (bool ue8m0_scales : {false, true})
@@ -420,7 +447,7 @@ TEST_P(QuantizedGemvFp8Codes, MatchFloat64) {
       SCOPED_TRACE(testing::Message() << "K=" << k_len << (ue8m0_scales ? " ue8m0" : " f32"));
       const int64_t kb = (k_len + 127) / 128, nb = (rows + 127) / 128;
       std::vector<uint8_t> w(static_cast<std::size_t>(rows * k_len));
-      for (auto& c : w) c = finite_code();
+      for (auto& c : w) c = random_finite_e4m3(rng);
       std::vector<float> w_scale(static_cast<std::size_t>(nb * kb));
       std::vector<ue8m0> w_scale_e(w_scale.size());
       for (std::size_t i = 0; i < w_scale.size(); ++i) {
@@ -428,7 +455,7 @@ TEST_P(QuantizedGemvFp8Codes, MatchFloat64) {
         w_scale[i] = ue8m0_scales ? to_float(w_scale_e[i]) : u(rng);
       }
       std::vector<f8_e4m3> x(static_cast<std::size_t>(k_len));
-      for (auto& c : x) c = f8_e4m3{finite_code()};
+      for (auto& c : x) c = f8_e4m3{random_finite_e4m3(rng)};
       std::vector<float> x_scale(static_cast<std::size_t>(kb));
       for (auto& s : x_scale) s = u(rng) * 0x1p-6f;
       cpu::QuantizedMatrix m;
@@ -438,24 +465,11 @@ TEST_P(QuantizedGemvFp8Codes, MatchFloat64) {
       m.scales = ue8m0_scales ? static_cast<const void*>(w_scale_e.data()) : w_scale.data();
       m.scale_ld = kb;
       const cpu::QuantizedVector v{x.data(), x_scale.data()};
-      for (int64_t step : {1, 3}) {
-        const int64_t first = step == 1 ? 0 : 5, n_rows = (rows - first + step - 1) / step;
-        std::vector<float> y(static_cast<std::size_t>(n_rows), std::numeric_limits<float>::quiet_NaN());
-        gemv(m, first, step, v, y.data(), n_rows, k_len);
-        for (int64_t i = 0; i < n_rows; ++i) {
-          const int64_t n = first + i * step;
-          double ref = 0, magnitude = 0;
-          for (int64_t k = 0; k < k_len; ++k) {
-            const double term = e4m3_definition(w[static_cast<std::size_t>(n * k_len + k)]) *
-                                e4m3_definition(x[static_cast<std::size_t>(k)].bits) *
-                                w_scale[static_cast<std::size_t>(n / 128 * kb + k / 128)] *
-                                x_scale[static_cast<std::size_t>(k / 128)];
-            ref += term;
-            magnitude += std::fabs(term);
-          }
-          ASSERT_NEAR(y[static_cast<std::size_t>(i)], ref, 1e-6 * magnitude + 1e-30) << "row " << n;
-        }
-      }
+      expect_rows_match_float64(gemv, m, v, rows, k_len, 1e-30, [&](int64_t n, int64_t k) {
+        return e4m3_definition(w[static_cast<std::size_t>(n * k_len + k)]) *
+               e4m3_definition(x[static_cast<std::size_t>(k)].bits) *
+               w_scale[static_cast<std::size_t>(n / 128 * kb + k / 128)] * x_scale[static_cast<std::size_t>(k / 128)];
+      });
       // NaN codes: in one weight row that row only; in x every row.
       w[static_cast<std::size_t>(7 * k_len + k_len / 2)] = 0xff;
       std::vector<float> y(static_cast<std::size_t>(rows));
@@ -478,12 +492,6 @@ class QuantizedGemvFp4Codes : public ::testing::TestWithParam<bool> {};
 TEST_P(QuantizedGemvFp4Codes, MatchFloat64) {
   const auto gemv = GetParam() ? &cpu::portable::gemv_rows_codes : &cpu::gemv_rows_codes;
   std::mt19937 rng(22);
-  auto finite_code = [&] {
-    uint8_t c;
-    do c = static_cast<uint8_t>(rng());
-    while ((c & 0x7f) == 0x7f);
-    return c;
-  };
   const int64_t rows = 70;
   for (int64_t k_len : {2, 30, 32, 64, 100, 128, 200, 300, 1024}) {
     SCOPED_TRACE(testing::Message() << "K=" << k_len);
@@ -494,7 +502,7 @@ TEST_P(QuantizedGemvFp4Codes, MatchFloat64) {
     for (auto& s : w_scale) s = ue8m0{static_cast<uint8_t>(118 + rng() % 16)};
     w_scale[3] = ue8m0{0};  // one block scaled by 2^-127, a float subnormal
     std::vector<f8_e4m3> x(static_cast<std::size_t>(k_len));
-    for (auto& c : x) c = f8_e4m3{finite_code()};
+    for (auto& c : x) c = f8_e4m3{random_finite_e4m3(rng)};
     std::vector<float> x_scale(static_cast<std::size_t>(groups));
     for (auto& s : x_scale) s = std::ldexp(1.0f, static_cast<int>(rng() % 9) - 12);
     cpu::QuantizedMatrix m;
@@ -505,25 +513,13 @@ TEST_P(QuantizedGemvFp4Codes, MatchFloat64) {
     m.scales = w_scale.data();
     m.scale_ld = kb;
     const cpu::QuantizedVector v{x.data(), x_scale.data()};
-    for (int64_t step : {1, 3}) {
-      const int64_t first = step == 1 ? 0 : 5, n_rows = (rows - first + step - 1) / step;
-      std::vector<float> y(static_cast<std::size_t>(n_rows), std::numeric_limits<float>::quiet_NaN());
-      gemv(m, first, step, v, y.data(), n_rows, k_len);
-      for (int64_t i = 0; i < n_rows; ++i) {
-        const int64_t n = first + i * step;
-        double ref = 0, magnitude = 0;
-        for (int64_t k = 0; k < k_len; ++k) {
-          const uint8_t pair = w[static_cast<std::size_t>(n * row_bytes + k / 2)];
-          const double term = e2m1_definition(static_cast<uint8_t>(k % 2 ? pair >> 4 : pair & 0xf)) *
-                              e4m3_definition(x[static_cast<std::size_t>(k)].bits) *
-                              std::ldexp(1.0, w_scale[static_cast<std::size_t>(n * kb + k / 32)].bits - 127) *
-                              x_scale[static_cast<std::size_t>(k / 128)];
-          ref += term;
-          magnitude += std::fabs(term);
-        }
-        ASSERT_NEAR(y[static_cast<std::size_t>(i)], ref, 1e-6 * magnitude + 1e-37) << "row " << n;
-      }
-    }
+    expect_rows_match_float64(gemv, m, v, rows, k_len, 1e-37, [&](int64_t n, int64_t k) {
+      const uint8_t pair = w[static_cast<std::size_t>(n * row_bytes + k / 2)];
+      return e2m1_definition(static_cast<uint8_t>(k % 2 ? pair >> 4 : pair & 0xf)) *
+             e4m3_definition(x[static_cast<std::size_t>(k)].bits) *
+             std::ldexp(1.0, w_scale[static_cast<std::size_t>(n * kb + k / 32)].bits - 127) *
+             x_scale[static_cast<std::size_t>(k / 128)];
+    });
     // A NaN scale: that row only; a NaN activation code: every row.
     w_scale[static_cast<std::size_t>(7 * kb + kb - 1)] = ue8m0{0xff};
     std::vector<float> y(static_cast<std::size_t>(rows));

@@ -146,6 +146,14 @@ bool uses_block_scaled_codes(const ExpertsProblem& p) {
   return p.config.quantization.weights == WeightFormat::fp8_e4m3 && p.gate_up_proj_scale_inv.dtype() == DType::f32;
 }
 
+namespace {
+// dst[i] = the e4m3 code in byte codes[i] as bf16 (exact: every e4m3 value is a bf16 value).
+void e4m3_codes_to_bf16(const void* codes, int64_t n, bf16* dst) {
+  const auto* bytes = static_cast<const uint8_t*>(codes);
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<bf16>(to_float(f8_e4m3{bytes[i]}));
+}
+}  // namespace
+
 RowBuffers::RowBuffers(const ExpertsProblem& p, int64_t pad_rows, bool codes)
     : block_scaled_codes(codes), pad_rows_(pad_rows) {
   const ExpertsShape s = validate(p);
@@ -194,8 +202,7 @@ void gather_rows(const Tensor& hidden_states, const std::vector<int64_t>& row_to
         });
         if (scales) {
           quantization.apply(row.data(), H, codes.data(), scales + r * groups);
-          bf16* d = static_cast<bf16*>(dst) + r * H;
-          for (int64_t h = 0; h < H; ++h) d[h] = from_float<bf16>(to_float(codes[static_cast<std::size_t>(h)]));
+          e4m3_codes_to_bf16(codes.data(), H, static_cast<bf16*>(dst) + r * H);
           continue;
         }
         quantization.apply(row.data(), H);
@@ -254,8 +261,7 @@ void activate_into(const ExpertsConfig& config, const float* gate, int64_t gate_
       thread_local std::vector<f8_e4m3> codes;
       codes.resize(static_cast<std::size_t>(n));
       quantization.apply(scratch, n, codes.data(), scales);
-      for (int64_t j = 0; j < n; ++j)
-        static_cast<bf16*>(dst)[j] = from_float<bf16>(to_float(codes[static_cast<std::size_t>(j)]));
+      e4m3_codes_to_bf16(codes.data(), n, static_cast<bf16*>(dst));
       return;
     }
     quantization.apply(scratch, n);
@@ -289,11 +295,8 @@ void gather_weight_rows(const QuantizedMatrix& w, const std::vector<int64_t>& ou
 void gather_weight_codes(const QuantizedMatrix& w, const std::vector<int64_t>& outputs, int64_t k0, int64_t k_len,
                          bf16* dst) {
   MOEKIT_CHECK(!w.fp4, "gather_weight_codes: FP8 weights only");
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    const uint8_t* row = w.data + outputs[i] * w.row_bytes + k0;
-    bf16* d = dst + static_cast<int64_t>(i) * k_len;
-    for (int64_t k = 0; k < k_len; ++k) d[k] = from_float<bf16>(to_float(f8_e4m3{row[k]}));
-  }
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    e4m3_codes_to_bf16(w.data + outputs[i] * w.row_bytes + k0, k_len, dst + static_cast<int64_t>(i) * k_len);
 }
 
 }  // namespace moekit::cpu

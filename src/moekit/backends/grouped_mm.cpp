@@ -120,51 +120,29 @@ std::string pack_key(const char* what, const Tensor& w, const Tensor& scale, con
   return os.str();
 }
 
-// Packs chunk c of every expert in parallel; outputs_of(c) lists the weight rows of chunk c in order, and
-// gather(e, outputs, rows) writes those rows of expert e in the gemm dtype.
+// Packs chunk c of every expert in parallel, in blocks of block_k along K: one block of k_len, or the 128-wide
+// blocks of block-scaled codes, packed apart as entry (c * blocks + b) of the expert. outputs_of(c) lists the
+// weight rows of chunk c in order, and gather(e, outputs, k0, width, rows) writes columns k0 .. k0 + width - 1
+// of those rows of expert e in the gemm dtype.
 template <typename Gather, typename Outputs>
-std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t k_len, cpu::GemmDType g,
-                                       Gather&& gather, Outputs&& outputs_of) {
-  auto packed = std::make_shared<PackedProjection>();
-  packed->per_expert = chunks;
-  packed->chunks.resize(static_cast<std::size_t>(experts * chunks));
-#pragma omp parallel
-  {
-    std::vector<char> rows;
-#pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < experts * chunks; ++task) {
-      const int64_t e = task / chunks, c = task % chunks;
-      const std::vector<int64_t> outputs = outputs_of(c);
-      rows.resize(outputs.size() * static_cast<std::size_t>(k_len) * cpu::gemm_dtype_size(g));
-      gather(e, outputs, rows.data());
-      packed->chunks[static_cast<std::size_t>(task)] =
-          std::make_unique<cpu::PackedWeights>(rows.data(), static_cast<int64_t>(outputs.size()), k_len, g);
-    }
-  }
-  return packed;
-}
-
-// Block-scaled codes: chunk c of every expert packed per 128-wide block b of K, bf16 codes, as entry
-// (c * blocks + b) of the expert; weight(e) gives expert e's quantised matrix.
-template <typename Weight, typename Outputs>
-std::shared_ptr<PackedProjection> pack_codes(int64_t experts, int64_t chunks, int64_t k_len, Weight&& weight,
-                                             Outputs&& outputs_of) {
-  const int64_t blocks = (k_len + kActivationGroupSize - 1) / kActivationGroupSize;
+std::shared_ptr<PackedProjection> pack(int64_t experts, int64_t chunks, int64_t k_len, int64_t block_k,
+                                       cpu::GemmDType g, Gather&& gather, Outputs&& outputs_of) {
+  const int64_t blocks = (k_len + block_k - 1) / block_k;
   auto packed = std::make_shared<PackedProjection>();
   packed->per_expert = chunks * blocks;
   packed->chunks.resize(static_cast<std::size_t>(experts * chunks * blocks));
 #pragma omp parallel
   {
-    std::vector<bf16> rows;
+    std::vector<char> rows;
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < experts * chunks * blocks; ++task) {
       const int64_t e = task / (chunks * blocks), c = task / blocks % chunks, b = task % blocks;
-      const int64_t k0 = b * kActivationGroupSize, width = std::min(kActivationGroupSize, k_len - k0);
+      const int64_t k0 = b * block_k, width = std::min(block_k, k_len - k0);
       const std::vector<int64_t> outputs = outputs_of(c);
-      rows.resize(outputs.size() * static_cast<std::size_t>(width));
-      cpu::gather_weight_codes(weight(e), outputs, k0, width, rows.data());
-      packed->chunks[static_cast<std::size_t>(task)] = std::make_unique<cpu::PackedWeights>(
-          rows.data(), static_cast<int64_t>(outputs.size()), width, cpu::GemmDType::bf16);
+      rows.resize(outputs.size() * static_cast<std::size_t>(width) * cpu::gemm_dtype_size(g));
+      gather(e, outputs, k0, width, rows.data());
+      packed->chunks[static_cast<std::size_t>(task)] =
+          std::make_unique<cpu::PackedWeights>(rows.data(), static_cast<int64_t>(outputs.size()), width, g);
     }
   }
   return packed;
@@ -226,8 +204,8 @@ class GroupedMm final : public PortableBackend {
     const int64_t E = layout.experts, H = z.hidden, I = z.intermediate;
     const std::size_t g = cpu::gemm_dtype_size(z.gemm);
     const int64_t up_chunks = (I + kUpChunk - 1) / kUpChunk, down_chunks = (H + kDownChunk - 1) / kDownChunk;
-    const auto up = codes ? packed_up_codes(layout, up_chunks) : packed_up(layout, z.gemm, up_chunks);
-    const auto down = codes ? packed_down_codes(layout, down_chunks) : packed_down(layout, z.gemm, down_chunks);
+    const auto up = packed(layout, true, z.gemm, up_chunks, codes);
+    const auto down = packed(layout, false, z.gemm, down_chunks, codes);
     const int64_t h_blocks = z.h_groups, i_blocks = z.i_groups;  // 128-wide blocks of K per projection
 
     char* x = z.x(workspace);
@@ -334,10 +312,17 @@ class GroupedMm final : public PortableBackend {
   }
 
  private:
-  // Writes rows `outputs` of expert e's first (up) or second projection in the gemm dtype: converted, or
-  // dequantised.
-  static auto row_gatherer(const cpu::ExpertLayout& l, bool up, int64_t k_len, cpu::GemmDType g) {
-    return [&l, up, k_len, g](int64_t e, const std::vector<int64_t>& outputs, void* dst) {
+  // Writes columns k0 .. k0 + width - 1 of rows `outputs` of expert e's first (up) or second projection in
+  // the gemm dtype: converted or dequantised (whole rows), or as bf16 codes (block-scaled codes, any block).
+  static auto row_gatherer(const cpu::ExpertLayout& l, bool up, int64_t k_len, cpu::GemmDType g, bool codes) {
+    return [&l, up, k_len, g, codes](int64_t e, const std::vector<int64_t>& outputs, int64_t k0, int64_t width,
+                                     void* dst) {
+      if (codes) {
+        cpu::gather_weight_codes(up ? l.up_quantized(e) : l.down_quantized(e), outputs, k0, width,
+                                 static_cast<bf16*>(dst));
+        return;
+      }
+      MOEKIT_CHECK(k0 == 0 && width == k_len, "grouped_mm: whole rows are packed unless packing codes");
       if (l.quantized)
         cpu::gather_weight_rows(up ? l.up_quantized(e) : l.down_quantized(e), outputs, k_len, g, dst);
       else
@@ -346,40 +331,18 @@ class GroupedMm final : public PortableBackend {
     };
   }
 
-  static std::shared_ptr<PackedProjection> packed_up(const cpu::ExpertLayout& l, cpu::GemmDType g, int64_t chunks) {
-    const std::string key = pack_key("up", l.gate_up, l.gate_up_scale, l, g);
-    auto made = l.gate_up.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack(l.experts, chunks, l.hidden, g, row_gatherer(l, true, l.hidden, g),
-                  [&](int64_t c) { return up_chunk_outputs(l, c); });
-    });
-    return std::static_pointer_cast<PackedProjection>(made);
-  }
-
-  static std::shared_ptr<PackedProjection> packed_down(const cpu::ExpertLayout& l, cpu::GemmDType g, int64_t chunks) {
-    const std::string key = pack_key("down", l.down, l.down_scale, l, g);
-    auto made = l.down.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack(l.experts, chunks, l.intermediate, g, row_gatherer(l, false, l.intermediate, g),
-                  [&](int64_t c) { return down_chunk_outputs(l, c); });
-    });
-    return std::static_pointer_cast<PackedProjection>(made);
-  }
-
-  static std::shared_ptr<PackedProjection> packed_up_codes(const cpu::ExpertLayout& l, int64_t chunks) {
-    const std::string key = pack_key("up-codes", l.gate_up, l.gate_up_scale, l, cpu::GemmDType::bf16);
-    auto made = l.gate_up.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack_codes(
-          l.experts, chunks, l.hidden, [&](int64_t e) { return l.up_quantized(e); },
-          [&](int64_t c) { return up_chunk_outputs(l, c); });
-    });
-    return std::static_pointer_cast<PackedProjection>(made);
-  }
-
-  static std::shared_ptr<PackedProjection> packed_down_codes(const cpu::ExpertLayout& l, int64_t chunks) {
-    const std::string key = pack_key("down-codes", l.down, l.down_scale, l, cpu::GemmDType::bf16);
-    auto made = l.down.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
-      return pack_codes(
-          l.experts, chunks, l.intermediate, [&](int64_t e) { return l.down_quantized(e); },
-          [&](int64_t c) { return down_chunk_outputs(l, c); });
+  // Chunk c's products of one projection, packed once per weights (kept with their storage): whole rows, or
+  // with block-scaled codes (g bf16) per 128-wide block of K.
+  static std::shared_ptr<PackedProjection> packed(const cpu::ExpertLayout& l, bool up, cpu::GemmDType g, int64_t chunks,
+                                                  bool codes) {
+    const int64_t k_len = up ? l.hidden : l.intermediate;
+    const Tensor& weights = up ? l.gate_up : l.down;
+    const char* what = up ? (codes ? "up-codes" : "up") : (codes ? "down-codes" : "down");
+    const std::string key = pack_key(what, weights, up ? l.gate_up_scale : l.down_scale, l, g);
+    auto made = weights.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+      return pack(l.experts, chunks, k_len, codes ? kActivationGroupSize : k_len, g,
+                  row_gatherer(l, up, k_len, g, codes),
+                  [&](int64_t c) { return up ? up_chunk_outputs(l, c) : down_chunk_outputs(l, c); });
     });
     return std::static_pointer_cast<PackedProjection>(made);
   }
