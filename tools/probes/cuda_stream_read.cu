@@ -40,6 +40,43 @@ __global__ void __launch_bounds__(128) read_kernel(const uint4* __restrict__ dat
   if (acc == 0x12345678u) out[blockIdx.x] = 1.0f;  // keeps the loads
 }
 
+// The access patterns of the decode kernels, without their arithmetic: a warp per tile of rows of
+// row_bytes, reading each row in chunks, all of a chunk's loads issued before any is used. kMode:
+//   0: 16 rows, lane (g, q) reads rows g and g + 8 at 16q + 64r (the FP8 tensor-core tile: 64 bytes of
+//      8 rows an instruction, 512 bytes a row a chunk);
+//   1: 8 rows, lane (g, q) reads row g at 16q + 64r, r < 16 (1 KB a row a chunk);
+//   2: 16 rows, instruction r reads 512 contiguous bytes of row r (512 bytes a row a chunk);
+//   3: 2 rows, 8 instructions of 512 contiguous bytes each (the bf16 stream kernel: 4 KB a row a chunk).
+//   4: as 0, each load asking L2 for the whole 256-byte piece (load_stream_raw<256>, as the FP8 tile kernel).
+template <int kMode>
+__global__ void __launch_bounds__(128, 4) tile_kernel(const uint8_t* __restrict__ data, int64_t row_bytes,
+                                                      int64_t tiles, float* out) {
+  constexpr int kRows = kMode == 0 || kMode == 2 || kMode == 4 ? 16 : kMode == 1 ? 8 : 2;
+  constexpr int kChunk = kMode == 0 || kMode == 2 || kMode == 4 ? 512 : kMode == 1 ? 1024 : 4096;
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (tile >= tiles) return;
+  const uint8_t* base = data + tile * kRows * row_bytes;
+  uint32_t acc = 0;
+  for (int64_t c0 = 0; c0 < row_bytes; c0 += kChunk) {
+    uint4 v[16];
+#pragma unroll
+    for (int l = 0; l < 16; ++l) {
+      int64_t r, k;  // row of the tile, byte of the row
+      if constexpr (kMode == 0 || kMode == 4) r = g + 8 * (l % 2), k = c0 + 64 * (l / 2) + 16 * q;
+      else if constexpr (kMode == 1) r = g, k = c0 + 64 * l + 16 * q;
+      else if constexpr (kMode == 2) r = l, k = c0 + 16 * lane;
+      else r = l / 8, k = c0 + 512 * (l % 8) + 16 * lane;
+      v[l] = k >= row_bytes           ? make_uint4(0, 0, 0, 0)
+             : kMode == 4 ? moekit::cuda::load_stream_raw<256>(base + r * row_bytes + k)
+                          : moekit::cuda::load_stream_raw(base + r * row_bytes + k);
+    }
+#pragma unroll
+    for (int l = 0; l < 16; ++l) acc ^= v[l].x + v[l].y + v[l].z + v[l].w;
+  }
+  if (acc == 0x12345678u) out[blockIdx.x] = 1.0f;  // keeps the loads
+}
+
 __global__ void empty_kernel() {}
 
 float median_replay_us(cudaGraphExec_t exec, cudaStream_t s) {
@@ -96,6 +133,25 @@ int main(int argc, char** argv) {
   const float empty = time_graph(s, [&] { empty_kernel<<<1, 32, 0, s>>>(); });
   std::printf("empty kernel replay: %.2f us\n", empty);
   std::printf("%8s %-34s %9s %9s %12s\n", "MB", "reader", "us", "GB/s", "GB/s-empty");
+  // MOEKIT_TILE_ROW_BYTES=R: the tile readers over rows of R bytes (7168: DeepSeek-V3's up rows in FP8).
+  if (const char* r = std::getenv("MOEKIT_TILE_ROW_BYTES")) {
+    const int64_t row_bytes = std::atoll(r);
+    for (const double mb : sizes_mb) {
+      const int64_t rows = static_cast<int64_t>(mb * 1e6) / row_bytes / 16 * 16;
+      const double moved = static_cast<double>(rows) * row_bytes;
+      const auto row = [&](const char* name, float us) {
+        std::printf("%8.0f %-34s %9.2f %9.0f %12.0f\n", mb, name, us, moved / us / 1e3, moved / (us - empty) / 1e3);
+      };
+      const auto blocks = [&](int rows_per_tile) { return static_cast<int>((rows / rows_per_tile + 3) / 4); };
+      const int64_t t16 = rows / 16, t8 = rows / 8, t2 = rows / 2;
+      row("tile: 16 rows, mma layout", time_graph(s, [&] { tile_kernel<0><<<blocks(16), 128, 0, s>>>(reinterpret_cast<const uint8_t*>(data), row_bytes, t16, out); }));
+      row("tile: 16 rows, mma layout, L2 256 B", time_graph(s, [&] { tile_kernel<4><<<blocks(16), 128, 0, s>>>(reinterpret_cast<const uint8_t*>(data), row_bytes, t16, out); }));
+      row("tile: 8 rows, mma layout, 1 KB", time_graph(s, [&] { tile_kernel<1><<<blocks(8), 128, 0, s>>>(reinterpret_cast<const uint8_t*>(data), row_bytes, t8, out); }));
+      row("tile: 16 rows, 512 B a load", time_graph(s, [&] { tile_kernel<2><<<blocks(16), 128, 0, s>>>(reinterpret_cast<const uint8_t*>(data), row_bytes, t16, out); }));
+      row("tile: 2 rows, 4 KB chunks", time_graph(s, [&] { tile_kernel<3><<<blocks(2), 128, 0, s>>>(reinterpret_cast<const uint8_t*>(data), row_bytes, t2, out); }));
+    }
+    return 0;
+  }
   for (const double mb : sizes_mb) {
     const int64_t chunks16 = static_cast<int64_t>(mb * 1e6) / (16 * 512);
     const double moved = static_cast<double>(chunks16) * 16 * 512;
