@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "moekit/cpu/block_scaled_gemm.h"
 #include "moekit/cpu/quantized_gemv.h"
 #include "moekit/dtype.h"
 #include "moekit/quantization.h"
@@ -531,6 +532,84 @@ TEST_P(QuantizedGemvFp4Codes, MatchFloat64) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Kernels, QuantizedGemvFp4Codes, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "portable" : "dispatched"; });
+
+// block_scaled_gemm (grouped_mm's FP8 product with float scales), both builds, against float64 sums of the
+// decoded codes times both scales: every finite e4m3 code on both sides, output rows picked from a weight
+// matrix in any order (crossing its 128-row scale blocks, a partial last panel), K with odd and partial
+// 128-wide blocks, row tiles of 1..6 and a remainder, strided activations, scales and output. Columns past the
+// output rows stay untouched; a NaN activation code poisons its row only, including one at the end of a row
+// with odd K (the kernel reads pairs) and one just past a row's end, which belongs to no row.
+class BlockScaledGemm : public ::testing::TestWithParam<bool> {};
+
+TEST_P(BlockScaledGemm, MatchesFloat64) {
+  const auto gemm = GetParam() ? &cpu::portable::block_scaled_gemm : &cpu::block_scaled_gemm;
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> u(0.25f, 4.0f);
+  const int64_t weight_rows = 300;
+  for (int64_t k_len : {1, 2, 63, 127, 128, 129, 300, 1024})
+    for (int64_t n : {1, 17, 40, 70})
+      for (int64_t m : {1, 6, 13}) {
+        SCOPED_TRACE(testing::Message() << "K=" << k_len << " N=" << n << " M=" << m);
+        const int64_t kb = (k_len + 127) / 128, nb = (weight_rows + 127) / 128;
+        std::vector<uint8_t> w(static_cast<std::size_t>(weight_rows * k_len));
+        for (auto& c : w) c = random_finite_e4m3(rng);
+        std::vector<float> w_scale(static_cast<std::size_t>(nb * kb));
+        for (auto& sc : w_scale) sc = u(rng);
+        cpu::QuantizedMatrix q;
+        q.data = w.data();
+        q.row_bytes = k_len;
+        q.scales = w_scale.data();
+        q.scale_ld = kb;
+        std::vector<int64_t> outputs;
+        for (int64_t i = 0; i < n; ++i) outputs.push_back((i * 7 + 3) % weight_rows);
+        const cpu::BlockScaledWeights packed = cpu::pack_block_scaled(q, outputs, k_len);
+        const int64_t lda = k_len + 3, scale_ld = kb + 1, ldo = n + 5;
+        std::vector<bf16> a(static_cast<std::size_t>(m * lda), from_float<bf16>(0.0f));
+        std::vector<uint8_t> a_codes(a.size(), 0);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t k = 0; k < k_len; ++k) {
+            const auto i = static_cast<std::size_t>(r * lda + k);
+            a_codes[i] = random_finite_e4m3(rng);
+            a[i] = from_float<bf16>(static_cast<float>(e4m3_definition(a_codes[i])));
+          }
+        std::vector<float> a_scale(static_cast<std::size_t>(m * scale_ld));
+        for (auto& sc : a_scale) sc = u(rng) * 0x1p-6f;
+        const float untouched = 12345.0f;
+        std::vector<float> out(static_cast<std::size_t>(m * ldo), untouched);
+        gemm(packed, a.data(), lda, m, a_scale.data(), scale_ld, out.data(), ldo);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < ldo; ++c) {
+            const float y = out[static_cast<std::size_t>(r * ldo + c)];
+            if (c >= n) {
+              ASSERT_EQ(y, untouched) << "row " << r << " column " << c << " is past the output rows";
+              continue;
+            }
+            const int64_t row = outputs[static_cast<std::size_t>(c)];
+            double ref = 0, magnitude = 0;
+            for (int64_t k = 0; k < k_len; ++k) {
+              const double t = e4m3_definition(w[static_cast<std::size_t>(row * k_len + k)]) *
+                               e4m3_definition(a_codes[static_cast<std::size_t>(r * lda + k)]) *
+                               w_scale[static_cast<std::size_t>(row / 128 * kb + k / 128)] *
+                               a_scale[static_cast<std::size_t>(r * scale_ld + k / 128)];
+              ref += t;
+              magnitude += std::fabs(t);
+            }
+            ASSERT_NEAR(y, ref, 1e-6 * magnitude + 1e-30) << "row " << r << " column " << c;
+          }
+        // NaN just past row 0's end: no row's. At row 0's last k: row 0 only.
+        a[static_cast<std::size_t>(k_len)] = from_float<bf16>(std::numeric_limits<float>::quiet_NaN());
+        gemm(packed, a.data(), lda, m, a_scale.data(), scale_ld, out.data(), ldo);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < n; ++c) ASSERT_FALSE(std::isnan(out[static_cast<std::size_t>(r * ldo + c)])) << r;
+        a[static_cast<std::size_t>(k_len - 1)] = from_float<bf16>(std::numeric_limits<float>::quiet_NaN());
+        gemm(packed, a.data(), lda, m, a_scale.data(), scale_ld, out.data(), ldo);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < n; ++c)
+            ASSERT_EQ(std::isnan(out[static_cast<std::size_t>(r * ldo + c)]), r == 0) << r << ", " << c;
+      }
+}
+INSTANTIATE_TEST_SUITE_P(Kernels, BlockScaledGemm, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "portable" : "dispatched"; });
 
 TEST(QuantizationConfig, NamesAndDefaults) {

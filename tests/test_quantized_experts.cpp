@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,6 +100,28 @@ TEST(QuantizedValidation, WeightsAndScalesAreNamedWithTheExpectedShapeAndDType) 
   p = make_random_problem(plain);
   p.down_proj_scale_inv = fp8.down_proj_scale_inv;
   EXPECT_TRUE(rejects(p, {"scale_inv tensors were given but config.quantization says the weights are not quantised"}));
+}
+
+// grouped_mm with FP8 weights and float scales runs its block-scaled products on moekit's AVX512-BF16 kernel
+// where the CPU has it, else as one oneDNN product per 128-wide block; MOEKIT_CPU_FP8_GEMM=onednn forces the
+// second, so both are checked against the float64 reference on every CPU. 40 tokens over 3 experts: blocks of
+// more rows than the matrix-vector path takes, partial 128-wide blocks in H and I.
+TEST(GroupedMmFp8FloatScales, BothProductPathsMatchTheReference) {
+  RandomProblemOptions o = quantized_options(WeightFormat::fp8_e4m3);
+  o.tokens = 40;
+  const ExpertsProblem p = make_random_problem(o);
+  const std::vector<double> reference = experts_reference(p);
+  struct OneDnnProducts {  // sets MOEKIT_CPU_FP8_GEMM=onednn while it lives
+    OneDnnProducts() { setenv("MOEKIT_CPU_FP8_GEMM", "onednn", 1); }
+    ~OneDnnProducts() { unsetenv("MOEKIT_CPU_FP8_GEMM"); }
+  };
+  for (const bool onednn : {false, true}) {
+    std::optional<OneDnnProducts> forced;
+    if (onednn) forced.emplace();
+    const test::Comparison c = test::compare_with_reference(experts_forward(p, "grouped_mm"), reference,
+                                                            test::tolerance_for(p.hidden_states.dtype(), true));
+    EXPECT_TRUE(c.passed()) << (onednn ? "oneDNN per block: " : "default products: ") << c.summary();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------

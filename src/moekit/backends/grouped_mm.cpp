@@ -6,20 +6,25 @@
 // product while its output is still in cache.
 // Quantised weights are dequantised into the gemm dtype as they are packed (once, like any packing), so
 // the products run at bf16 speed on exactly the dequantised weights; the packed copy costs bf16's memory
-// next to the quantised bytes. FP8 weights with float scales (whose values bf16 cannot hold) are packed
-// instead as bf16 copies of their codes, one packing per 128-wide block of K: each block's product of
-// activation codes and weight codes is exact in its float sums, and the block's activation scale times its
-// weight scale is applied to those sums (block-scaled codes; f32 products would cost twice bf16's time).
+// next to the quantised bytes. FP8 weights with float scales (whose values bf16 cannot hold) multiply as
+// codes instead: each 128-wide block's product of activation codes and weight codes is exact in its float
+// sums, and the block's activation scale times its weight scale is applied to those sums (block-scaled
+// codes; f32 products would cost twice bf16's time). They run on moekit's kernel (cpu/block_scaled_gemm.h,
+// the weights packed as e4m3 bytes) where the CPU has AVX512-BF16, else on oneDNN with bf16 copies of the
+// codes packed per block (see own_block_scaled_kernel).
 // Decode-sized blocks read the quantised bytes in place (quantised gemv).
 // Activations are quantised per row as they are gathered, and the hidden rows per 128-wide chunk right
 // after the activation (a first-projection chunk is one activation group).
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
+#include <string_view>
 
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
 #include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/activation_math.h"
+#include "moekit/cpu/block_scaled_gemm.h"
 #include "moekit/cpu/gemv.h"
 #include "moekit/quantization.h"
 
@@ -182,6 +187,24 @@ void multiply_block_scaled(const PackedProjection& packed, int64_t e, int64_t fi
   }
 }
 
+// The block-scaled products run on moekit's AVX512-BF16 kernel (block_scaled_gemm: the weights stay e4m3,
+// half the bytes of a bf16 copy, converted per block in L1) where the CPU has AVX512-BF16 and VBMI, else as
+// one oneDNN bf16 product per 128-wide block (multiply_block_scaled). MOEKIT_CPU_FP8_GEMM=onednn picks the
+// latter anyway (the tests run it on CPUs that have the kernel).
+bool own_block_scaled_kernel() {
+  const char* v = std::getenv("MOEKIT_CPU_FP8_GEMM");
+  return cpu::cpu_has_avx512_bf16() && !(v && std::string_view(v) == "onednn");
+}
+
+// One projection of every expert packed for block_scaled_gemm, per column chunk: chunks[e * per_expert + c].
+struct BlockScaledProjection {
+  int64_t per_expert = 0;
+  std::vector<cpu::BlockScaledWeights> chunks;
+  const cpu::BlockScaledWeights& at(int64_t e, int64_t c) const {
+    return chunks[static_cast<std::size_t>(e * per_expert + c)];
+  }
+};
+
 class GroupedMm final : public PortableBackend {
  public:
   GroupedMm() : PortableBackend(MOEKIT_CUDA_KERNELS(grouped_mm)) {}
@@ -204,8 +227,11 @@ class GroupedMm final : public PortableBackend {
     const int64_t E = layout.experts, H = z.hidden, I = z.intermediate;
     const std::size_t g = cpu::gemm_dtype_size(z.gemm);
     const int64_t up_chunks = (I + kUpChunk - 1) / kUpChunk, down_chunks = (H + kDownChunk - 1) / kDownChunk;
-    const auto up = packed(layout, true, z.gemm, up_chunks, codes);
-    const auto down = packed(layout, false, z.gemm, down_chunks, codes);
+    const bool own = codes && own_block_scaled_kernel();
+    const auto up = own ? nullptr : packed(layout, true, z.gemm, up_chunks, codes);
+    const auto down = own ? nullptr : packed(layout, false, z.gemm, down_chunks, codes);
+    const auto up_own = own ? packed_block_scaled(layout, true, up_chunks) : nullptr;
+    const auto down_own = own ? packed_block_scaled(layout, false, down_chunks) : nullptr;
     const int64_t h_blocks = z.h_groups, i_blocks = z.i_groups;  // 128-wide blocks of K per projection
 
     char* x = z.x(workspace);
@@ -232,7 +258,7 @@ class GroupedMm final : public PortableBackend {
 #pragma omp parallel
     {
       const auto scratch_floats = static_cast<std::size_t>(rows_to_run(kRowBlock) * std::max(2 * kUpChunk, kDownChunk));
-      std::vector<float> scratch(scratch_floats), partial(codes ? scratch_floats : 0), w_scales;
+      std::vector<float> scratch(scratch_floats), partial(codes && !own ? scratch_floats : 0), w_scales;
       std::vector<bf16> block;
       std::vector<float> chunk_bias, row_f32, activated(static_cast<std::size_t>(kUpChunk));
 #pragma omp for schedule(dynamic)
@@ -252,6 +278,9 @@ class GroupedMm final : public PortableBackend {
             if (layout.has_gate)
               gemv_weight_rows(layout, true, b.e, layout.up_column(j0), step, width, v, H, out_row + width);
           }
+        } else if (own) {
+          cpu::block_scaled_gemm(up_own->at(b.e, c), reinterpret_cast<const bf16*>(x) + b.first * H, H, b.rows,
+                                 x_scales + b.first * h_blocks, h_blocks, scratch.data(), cols);
         } else if (codes) {
           multiply_block_scaled(*up, b.e, c * h_blocks, layout.up_quantized(b.e), up_chunk_outputs(layout, c),
                                 x + static_cast<std::size_t>(b.first * H) * g, H, rows_to_run(b.rows), b.rows,
@@ -292,6 +321,9 @@ class GroupedMm final : public PortableBackend {
                                    : row_as_floats(hr, I, z.gemm, row_f32);
             gemv_weight_rows(layout, false, b.e, h0, 1, cols, v, I, scratch.data() + r * cols);
           }
+        } else if (own) {
+          cpu::block_scaled_gemm(down_own->at(b.e, c), reinterpret_cast<const bf16*>(hidden) + b.first * I, I, b.rows,
+                                 hidden_scales + b.first * i_blocks, i_blocks, scratch.data(), cols);
         } else if (codes) {
           multiply_block_scaled(*down, b.e, c * i_blocks, layout.down_quantized(b.e), down_chunk_outputs(layout, c),
                                 hidden + static_cast<std::size_t>(b.first * I) * g, I, rows_to_run(b.rows), b.rows,
@@ -345,6 +377,29 @@ class GroupedMm final : public PortableBackend {
                   [&](int64_t c) { return up ? up_chunk_outputs(l, c) : down_chunk_outputs(l, c); });
     });
     return std::static_pointer_cast<PackedProjection>(made);
+  }
+
+  // The same chunks packed for block_scaled_gemm (FP8 weights with float scales), once per weights.
+  static std::shared_ptr<BlockScaledProjection> packed_block_scaled(const cpu::ExpertLayout& l, bool up,
+                                                                    int64_t chunks) {
+    const int64_t k_len = up ? l.hidden : l.intermediate;
+    const Tensor& weights = up ? l.gate_up : l.down;
+    const std::string key = pack_key(up ? "up-block-scaled" : "down-block-scaled", weights,
+                                     up ? l.gate_up_scale : l.down_scale, l, cpu::GemmDType::bf16);
+    auto made = weights.storage()->attachment(key, [&]() -> std::shared_ptr<void> {
+      auto packed = std::make_shared<BlockScaledProjection>();
+      packed->per_expert = chunks;
+      packed->chunks.resize(static_cast<std::size_t>(l.experts * chunks));
+#pragma omp parallel for schedule(dynamic)
+      for (int64_t task = 0; task < l.experts * chunks; ++task) {
+        const int64_t e = task / chunks, c = task % chunks;
+        packed->chunks[static_cast<std::size_t>(task)] =
+            cpu::pack_block_scaled(up ? l.up_quantized(e) : l.down_quantized(e),
+                                   up ? up_chunk_outputs(l, c) : down_chunk_outputs(l, c), k_len);
+      }
+      return packed;
+    });
+    return std::static_pointer_cast<BlockScaledProjection>(made);
   }
 };
 

@@ -3,14 +3,14 @@
 #include "moekit/cpu/gemv.h"
 
 namespace moekit::cpu {
-namespace {
 
-// The code-times-code kernels need vdpbf16ps (AVX512-BF16) and vpermi2b (VBMI) on top of AVX-512.
 bool cpu_has_avx512_bf16() {
   static const bool has =
       gemv_uses_avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
   return has;
 }
+
+namespace {
 
 // The value of weight (n, k) before its scale.
 float code_value(const QuantizedMatrix& w, int64_t n, int64_t k) {

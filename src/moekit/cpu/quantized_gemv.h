@@ -56,6 +56,10 @@ void gemv_rows_codes(const QuantizedMatrix& w, int64_t first_row, int64_t row_st
 // out[k] = W(n, k) for k in [0, k_len): one row dequantised to float.
 void dequantize_row(const QuantizedMatrix& w, int64_t n, float* out, int64_t k_len);
 
+// Whether the code-times-code kernels can run: vdpbf16ps (AVX512-BF16) and vpermi2b (VBMI) on top of the
+// AVX-512 that gemv_uses_avx512 asks for.
+bool cpu_has_avx512_bf16();
+
 namespace avx512 {
 void gemv_rows_quantized(const QuantizedMatrix& w, int64_t first_row, int64_t row_step, const float* x, float* y,
                          int64_t n_rows, int64_t k_len);
