@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "harness.h"
+#include "moekit/cpu/activation_quantization.h"
 #include "moekit/cpu/block_scaled_gemm.h"
+#include "moekit/cpu/gemv.h"
 #include "moekit/cpu/quantized_gemv.h"
 #include "moekit/dtype.h"
 #include "moekit/quantization.h"
@@ -397,6 +399,63 @@ TEST(QuantizeActivations, PerGroupOf128FromAmax) {
   quantize_activations(x.data(), n, false, out.data(), codes.data(), scales.data());
   EXPECT_TRUE(std::isnan(out[5]));
   EXPECT_TRUE(std::isnan(to_float(codes[5])));
+}
+
+// quantize_activations' AVX-512 group steps (what it runs where the CPU has AVX-512) against the portable
+// definitions, bit for bit: the group's largest magnitude (NaN ignored), and per value the rounded value
+// times the scale and the e4m3 code (from_float), over values around every e4m3 boundary and tie (at several
+// scales), zeros of both signs, float subnormals, the saturation region, infinities and NaN, in groups of
+// 1..128 values with partial 16-lane tails, in place as well.
+TEST(ActivationQuantizationAvx512, BitForBitAsThePortableSteps) {
+  if (!cpu::gemv_uses_avx512()) GTEST_SKIP() << "this CPU has no AVX-512: quantize_activations runs the portable loop";
+  std::mt19937 rng(24);
+  std::vector<float> pool = {0.0f,
+                             -0.0f,
+                             0x1p-149f,
+                             -0x1p-130f,
+                             448.0f,
+                             464.0f,
+                             -480.0f,
+                             1e30f,
+                             std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity(),
+                             std::numeric_limits<float>::quiet_NaN()};
+  for (int c = 0; c < 127; ++c) {  // every finite magnitude, the midpoints to the next, and a hair either side
+    const auto v = static_cast<float>(e4m3_definition(static_cast<uint8_t>(c)));
+    const auto next = static_cast<float>(e4m3_definition(static_cast<uint8_t>(c + 1)));
+    const float mid = c < 126 ? (v + next) / 2 : v;
+    for (float t : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)})
+      pool.push_back(t), pool.push_back(-t);
+  }
+  std::uniform_real_distribution<float> exponent(-40.0f, 20.0f);
+  for (int i = 0; i < 2000; ++i) pool.push_back((rng() % 2 ? 1.0f : -1.0f) * std::exp2(exponent(rng)));
+  const auto bits = [](float f) { return std::bit_cast<uint32_t>(f); };
+  for (float scale : {1.0f, 0.375f, 0x1p-8f, 3.1e5f, 1.7e-3f})
+    for (int64_t n : {1, 5, 16, 17, 100, 128}) {
+      SCOPED_TRACE(testing::Message() << "scale " << scale << ", n " << n);
+      for (int trial = 0; trial < 40; ++trial) {
+        std::vector<float> x(static_cast<std::size_t>(n));
+        for (auto& v : x) v = pool[rng() % pool.size()] * (rng() % 4 == 0 ? 1.0f : scale);
+        float amax = 0;
+        for (float v : x) amax = std::max(amax, std::fabs(v));
+        ASSERT_EQ(bits(cpu::avx512::group_amax(x.data(), n)), bits(amax));
+        std::vector<float> dequantized(x.size()), in_place = x;
+        std::vector<f8_e4m3> codes(x.size());
+        cpu::avx512::quantize_group(x.data(), n, scale, dequantized.data(), codes.data());
+        cpu::avx512::quantize_group(in_place.data(), n, scale, in_place.data(), nullptr);
+        for (int64_t i = 0; i < n; ++i) {
+          const auto k = static_cast<std::size_t>(i);
+          const float q = x[k] / scale, expected = round_to_e4m3_value(q) * scale;
+          if (std::isnan(expected)) {
+            ASSERT_TRUE(std::isnan(dequantized[k]) && std::isnan(in_place[k])) << "x = " << x[k];
+          } else {
+            ASSERT_EQ(bits(dequantized[k]), bits(expected)) << "x = " << x[k];
+            ASSERT_EQ(bits(in_place[k]), bits(expected)) << "x = " << x[k];
+          }
+          ASSERT_EQ(codes[k].bits, from_float<f8_e4m3>(q).bits) << "x = " << x[k];
+        }
+      }
+    }
 }
 
 // A random e4m3 code that is not NaN.
