@@ -91,6 +91,10 @@ void block_scaled_gemm(const BlockScaledWeights& w, const bf16* a, int64_t lda, 
         for (int p = 0; p < 2; ++p)
           convert(_mm512_loadu_si512(codes + (p * 32 + piece) * 64), converted[4 * piece + p],
                   converted[4 * piece + 2 + p]);
+      // The next panel pair's codes (the next 4 KB, also across blocks) are fetched while these multiply:
+      // the conversion above is where the weights stream in from memory.
+      for (int line = 0; line < 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(codes) + 4096 + 64 * line, _MM_HINT_T0);
       const float* w_scales = w.scales.data() + (b * w.panels + pp) * 16;
       const __m512 w_scale0 = _mm512_loadu_ps(w_scales), w_scale1 = _mm512_loadu_ps(w_scales + 16);
       const __mmask16 mask0 = columns_mask(w.n - pp * 16), mask1 = columns_mask(w.n - pp * 16 - 16);
