@@ -1,32 +1,17 @@
 #include <immintrin.h>
 
 #include "moekit/cpu/activation_quantization.h"
+#include "moekit/cpu/avx512_lanes.h"
 
 namespace moekit::cpu::avx512 {
-namespace {
-
-inline __mmask16 first(int64_t n) {
-  return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-}
-
-}  // namespace
 
 float group_amax(const float* x, int64_t n) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(first(n - i), x + i));
+    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(tail_mask16(n - i), x + i));
     amax = _mm512_max_ps(a, amax);  // a NaN first operand gives the second: NaN ignored
   }
-  // The lanes' maximum (no NaN among them), by zero-masking extracts: GCC 12's _mm512_reduce_max_ps starts
-  // from an "undefined" vector that -Wuninitialized flags once inlined (as sum_lanes in avx512_lanes.h notes).
-  const __m512d d = _mm512_castps_pd(amax);
-  const auto all = static_cast<__mmask8>(0xff);
-  const __m256 h = _mm256_max_ps(_mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(all, d, 0)),
-                                 _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(all, d, 1)));
-  __m128 v = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  v = _mm_max_ps(v, _mm_movehl_ps(v, v));
-  v = _mm_max_ss(v, _mm_movehdup_ps(v));
-  return _mm_cvtss_f32(v);
+  return max_lanes(amax);  // no NaN among the lanes
 }
 
 void quantize_group(const float* x, int64_t n, float scale, float* dequantized, f8_e4m3* codes) {
@@ -34,7 +19,7 @@ void quantize_group(const float* x, int64_t n, float scale, float* dequantized, 
   const __m512 shift = _mm512_set1_ps(16384.0f), to_units = _mm512_set1_ps(512.0f);
   const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = first(n - i);
+    const __mmask16 m = tail_mask16(n - i);
     const __m512 q = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + i), s);
     const __m512 a = _mm512_abs_ps(q);
     // round_to_e4m3: normal range rounds the mantissa to 3 bits in place (ties to even); below 2^-6 adding

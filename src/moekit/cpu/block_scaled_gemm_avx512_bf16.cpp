@@ -9,6 +9,7 @@
 #include <bit>
 #include <cstring>
 
+#include "moekit/cpu/avx512_lanes.h"
 #include "moekit/cpu/block_scaled_gemm.h"
 #include "moekit/cpu/e4m3_to_bf16_avx512.h"
 
@@ -22,10 +23,6 @@ inline __m512bh broadcast_pair(const bf16* a, bool only_first = false) {
   uint32_t bits = 0;
   std::memcpy(&bits, a, only_first ? sizeof(bf16) : 2 * sizeof(bf16));
   return std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(bits)));
-}
-
-inline __mmask16 columns_mask(int64_t valid) {
-  return valid >= 16 ? __mmask16{0xffff} : valid <= 0 ? __mmask16{0} : static_cast<__mmask16>((1u << valid) - 1);
 }
 
 // R rows (a: row stride lda, at the block's first k) times the converted panel pair wb over `pairs` k pairs
@@ -97,7 +94,7 @@ void block_scaled_gemm(const BlockScaledWeights& w, const bf16* a, int64_t lda, 
         _mm_prefetch(reinterpret_cast<const char*>(codes) + 4096 + 64 * line, _MM_HINT_T0);
       const float* w_scales = w.scales.data() + (b * w.panels + pp) * 16;
       const __m512 w_scale0 = _mm512_loadu_ps(w_scales), w_scale1 = _mm512_loadu_ps(w_scales + 16);
-      const __mmask16 mask0 = columns_mask(w.n - pp * 16), mask1 = columns_mask(w.n - pp * 16 - 16);
+      const __mmask16 mask0 = tail_mask16(w.n - pp * 16), mask1 = tail_mask16(w.n - pp * 16 - 16);
       for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
         kRowsTimesBlock[rows](converted, pairs, odd_tail, a + r0 * lda + k0, lda, a_scales + r0 * a_scale_ld + b,

@@ -3,6 +3,7 @@
 // rows or column blocks in flight) rather than at peak arithmetic.
 #include <immintrin.h>
 
+#include "moekit/cpu/avx512_lanes.h"
 #include "moekit/cpu/gemv_kernels.h"
 
 namespace moekit::cpu::avx512 {
@@ -30,10 +31,6 @@ inline __m512 load16_masked(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-inline __mmask16 tail_mask(int64_t remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
-}
-
 }  // namespace
 
 template <typename W>
@@ -53,7 +50,7 @@ void gemv_rows(const W* w, int64_t ldw, const float* x, float* y, int64_t n_rows
       a3 = _mm512_fmadd_ps(load16(r + k + 48), _mm512_loadu_ps(x + k + 48), a3);
     }
     for (int64_t k = k_main; k < k_len; k += 16) {
-      const __mmask16 m = tail_mask(k_len - k);
+      const __mmask16 m = tail_mask16(k_len - k);
       a0 = _mm512_fmadd_ps(load16_masked(r + k, m), _mm512_maskz_loadu_ps(m, x + k), a0);
     }
     y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
@@ -80,7 +77,7 @@ void gemv_cols(const W* w, int64_t ldw, const float* x, float* y, int64_t n_cols
     _mm512_storeu_ps(y + n + 48, a3);
   }
   for (; n < n_cols; n += 16) {
-    const __mmask16 m = tail_mask(n_cols - n);
+    const __mmask16 m = tail_mask16(n_cols - n);
     __m512 a = _mm512_setzero_ps();
     for (int64_t k = 0; k < k_len; ++k) a = _mm512_fmadd_ps(load16_masked(w + k * ldw + n, m), _mm512_set1_ps(x[k]), a);
     _mm512_mask_storeu_ps(y + n, m, a);
