@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   cmake g++ make ninja-build pkg-config
   libdnnl-dev          # oneDNN: CPU GEMMs
+  ocl-icd-opencl-dev   # OpenCL headers and loader: Debian's oneDNN CMake config asks for them
   nlohmann-json3-dev   # JSON (safetensors headers, bench output)
   libcli11-dev         # command-line flags
   libpcre2-dev         # regular expressions of the tokenizers' pre-tokenizers (\p{L}, lookahead)
