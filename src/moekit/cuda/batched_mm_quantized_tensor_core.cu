@@ -341,18 +341,24 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
   const int64_t groups_h = (H + kGroup - 1) / kGroup, groups_i = (I + kGroup - 1) / kGroup;
   const int cols = a.has_gate ? kTileRows / 2 : kTileRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, split = warp % splits;
-  const int64_t pair = blockIdx.x;
-  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * (kUpWarps / splits) + warp / splits) * cols;
+  // 32-bit indices where they fit (pairs and columns: the host checks): 64-bit ones live across the
+  // products made the kernel spill.
+  const int pair = static_cast<int>(blockIdx.x);
+  const int j0 = (static_cast<int>(blockIdx.y) * (kUpWarps / splits) + warp / splits) * cols;
   const int64_t e = load_id(a, pair);
   if (e < 0 || e >= a.experts) return;  // the whole block: sentinel (or invalid: the second projection poisons)
   const bool active = j0 < I;
-  const int64_t j_lo = min(j0 + g, I - 1), j_hi = min(j0 + (a.has_gate ? 0 : 8) + g, I - 1);  // clamped
+  const int64_t j_lo = min(int64_t{j0} + g, I - 1),
+                j_hi = min(int64_t{j0} + (a.has_gate ? 0 : 8) + g, I - 1);  // clamped
   const int64_t n_lo = a.has_gate ? gate_col(a, j_lo) : j_lo, n_hi = a.has_gate ? up_col(a, j_lo) : j_hi;
   const int64_t row_bytes = H / Q::kValuesPerByte;
   const uint8_t* w = static_cast<const uint8_t*>(a.up) + e * N * row_bytes;
   const TileRows rows{w + n_lo * row_bytes, w + n_hi * row_bytes, static_cast<int32_t>(Q::scale_row(e, n_lo, N, H)),
                       static_cast<int32_t>(Q::scale_row(e, n_hi, N, H))};
   const int64_t t = pair / a.top_k;
+  // The biases are read first: two floats then stay live across the products instead of the rows' indices.
+  const T* b = a.up_bias ? static_cast<const T*>(a.up_bias) + e * N : nullptr;
+  const float bias_lo = b ? to_f(b[n_lo]) : 0.0f, bias_hi = b ? to_f(b[n_hi]) : 0.0f;
   int64_t k_begin, k_end;
   split_range(H, split, splits, k_begin, k_end);
   float2 s = tile_dot<F>(a, a.up_scale, rows, ws.x_codes + t * H * kCodeBytes, ws.x_scales + t * groups_h, k_begin,
@@ -366,10 +372,9 @@ __global__ void __launch_bounds__(kUpWarps * 32, 4) up_kernel(const ExpertsArgs 
   }
   if (!active) return;
 
-  float* out = ws.hidden + pair * I;
+  float* out = ws.hidden + static_cast<int64_t>(pair) * I;
   if (lane % 4 == 0) {
-    const T* b = a.up_bias ? static_cast<const T*>(a.up_bias) + e * N : nullptr;
-    if (b) s.x += to_f(b[n_lo]), s.y += to_f(b[n_hi]);
+    s.x += bias_lo, s.y += bias_hi;
     if (a.has_gate) {
       if (j0 + g < I) out[j0 + g] = activate(a, s.x, s.y);
     } else {
