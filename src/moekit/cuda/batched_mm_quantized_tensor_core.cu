@@ -410,14 +410,16 @@ __global__ void __launch_bounds__(kDownWarps * 32 * 2, 1) down_kernel(const Expe
   constexpr int kCodeBytes = code_bytes(F == WeightFormat::fp4_e2m1);
   extern __shared__ float row_sums[];  // [splits][K][16], then the pair table
   const int64_t H = a.hidden, I = a.intermediate, K = a.top_k, groups_i = (I + kGroup - 1) / kGroup;
-  const int64_t t = blockIdx.x, h0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  // 32-bit token, column and pair indices (the host checks they fit), as in up_kernel.
+  const int t = static_cast<int>(blockIdx.x), h0 = static_cast<int>(blockIdx.y) * kTileRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4;
   const int slots = blockDim.x / 32 / splits, split = warp / slots;
-  const int64_t h_lo = min(h0 + g, H - 1), h_hi = min(h0 + 8 + g, H - 1);
+  const int64_t h_lo = min(int64_t{h0} + g, H - 1), h_hi = min(int64_t{h0} + 8 + g, H - 1);
   int64_t k_begin, k_end;
   split_range(I, split, splits, k_begin, k_end);
-  for (int64_t k = warp % slots; k < K; k += slots) {
-    const int64_t pair = t * K + k, e = load_id(a, pair);
+  for (int k = warp % slots; k < K; k += slots) {
+    const int pair = t * static_cast<int>(K) + k;
+    const int64_t e = load_id(a, pair);
     const bool valid = e >= 0 && e < a.experts;
     const int64_t ee = valid ? e : 0;
     const int64_t row_bytes = I / Q::kValuesPerByte;
