@@ -27,6 +27,8 @@
 # bench` over AB_BENCH_CASES (';'-separated arguments); prints each case's times side by side with the ratio
 # of the medians (ab.log). Noise between leases is larger than many changes: compare only within one.
 # AB_VARIANTS (';'-separated VAR=value) adds sides: the new binary under each assignment; AB_GEMM=0 skips bench-gemm.
+# AB_BASELINE_ENV (VAR=value) runs the baseline side under that assignment (a baseline binary with a switch).
+# ab_raw.log (under $OUT) is written as the sides run, so a run cut short still leaves its times there.
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -160,6 +162,7 @@ if [[ $what == ab ]]; then
       [[ $side == baseline ]] && bin=$out/moekit_baseline
       env=()
       [[ $side == *=* ]] && env=("$side")
+      [[ $side == baseline && -n ${AB_BASELINE_ENV:-} ]] && env=("$AB_BASELINE_ENV")
       if [[ ${AB_GEMM:-1} == 1 ]]; then
         # shellcheck disable=SC2086
         env "${env[@]}" $bin bench-gemm --device cuda ${AB_GEMM_ARGS:---rows-per-expert 512 --format fp8,bf16 --epilogue store,gated --repeats 15} \
