@@ -17,20 +17,8 @@ fi
 echo "setup: fetching CUTLASS $version headers (nvidia-cutlass wheel from PyPI)"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-wheel="nvidia_cutlass-$version-py3-none-any.whl"
-if python3 -m pip --version >/dev/null 2>&1; then
-  python3 -m pip download -q --no-deps --only-binary=:all: "nvidia-cutlass==$version" -d "$tmp"
-else
-  # No pip: ask PyPI's JSON API where the wheel lives.
-  url="$(curl -fsSL "https://pypi.org/pypi/nvidia-cutlass/$version/json" |
-    python3 -c 'import json,sys; print(next(u["url"] for u in json.load(sys.stdin)["urls"] if u["filename"].endswith(".whl")))')"
-  curl -fsSL -o "$tmp/$wheel" "$url"
-fi
-echo "$sha256  $tmp/$wheel" | sha256sum -c --quiet - || {
-  echo "setup: checksum mismatch for $wheel" >&2
-  exit 1
-}
-python3 - "$tmp/$wheel" "$tmp/unpacked" <<'PY'
+wheel=$("$root/scripts/pypi_wheel.sh" nvidia-cutlass "$version" "$sha256" "$tmp")
+python3 - "$wheel" "$tmp/unpacked" <<'PY'
 import sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:
     z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("cutlass_library/source/include/")])

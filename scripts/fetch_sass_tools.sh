@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fetches cuobjdump and nvdisasm (PyPI's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels, pinned by
 # version and checksum) into .deps/sass-tools/bin (git-ignored), so that the SASS of the CUDA kernels can be
-# read on this GPU-less machine (scripts/sass_counts.sh). A developer tool: neither the build nor the tests
-# need it. Idempotent.
+# read on this GPU-less machine (scripts/sass_counts.sh, and the SASS test scripts/check_local_memory.sh, which
+# skips without them; scripts/setup.sh fetches them for CUDA builds). Idempotent.
 set -euo pipefail
 
 version=13.5.37
@@ -18,12 +18,7 @@ for entry in cuobjdump:38780fee50863252a0b8926357faa91615ca1c8346490563f33a06100
   nvdisasm:d3fdbdd49fa53e2e4aacd3db8259d052bd2b049ececdcb69e92e083c6728e7ca; do
   tool=${entry%%:*} sha256=${entry#*:}
   echo "fetching $tool $version (nvidia-cuda-$tool wheel from PyPI)"
-  python3 -m pip download -q --no-deps --only-binary=:all: "nvidia-cuda-$tool==$version" -d "$tmp"
-  wheel=$(ls "$tmp"/nvidia_cuda_"$tool"-"$version"-*.whl)
-  echo "$sha256  $wheel" | sha256sum -c --quiet - || {
-    echo "checksum mismatch for $wheel" >&2
-    exit 1
-  }
+  wheel=$("$root/scripts/pypi_wheel.sh" "nvidia-cuda-$tool" "$version" "$sha256" "$tmp/$tool")
   python3 - "$wheel" "$tool" "$dest/bin" <<'PY'
 import os, sys, zipfile
 with zipfile.ZipFile(sys.argv[1]) as z:

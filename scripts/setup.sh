@@ -35,3 +35,8 @@ fi
 
 # Header-only dependencies fetched by scripts/setup.sh (CUTLASS/CuTe for the Hopper kernels).
 "$(dirname "$0")/fetch_cutlass.sh"
+# Where CUDA code is built (nvcc found as CMake finds it), cuobjdump for the test that reads the kernels'
+# SASS (scripts/check_local_memory.sh).
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  "$(dirname "$0")/fetch_sass_tools.sh" || echo "setup: warning: cuobjdump not fetched; the SASS test will skip" >&2
+fi
