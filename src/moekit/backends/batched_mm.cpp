@@ -12,7 +12,7 @@
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
 #include "moekit/backends/portable_backend.h"
-#include "moekit/cpu/activation_math.h"
+#include "moekit/cpu/activation.h"
 #include "moekit/cpu/gemv.h"
 #include "moekit/cpu/quantized_gemv.h"
 #include "moekit/quantization.h"

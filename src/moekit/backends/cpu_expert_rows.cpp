@@ -1,6 +1,6 @@
 #include "moekit/backends/cpu_expert_rows.h"
 
-#include "moekit/cpu/activation_math.h"
+#include "moekit/cpu/activation.h"
 #include "moekit/quantization.h"
 
 namespace moekit::cpu {

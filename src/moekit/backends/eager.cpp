@@ -9,7 +9,6 @@
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
 #include "moekit/backends/portable_backend.h"
-#include "moekit/cpu/activation_math.h"
 
 namespace moekit::backends {
 namespace {

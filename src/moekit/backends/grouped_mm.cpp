@@ -23,7 +23,6 @@
 #include "moekit/backends/builtin_backends.h"
 #include "moekit/backends/cpu_expert_rows.h"
 #include "moekit/backends/portable_backend.h"
-#include "moekit/cpu/activation_math.h"
 #include "moekit/cpu/block_scaled_gemm.h"
 #include "moekit/cpu/gemv.h"
 #include "moekit/quantization.h"

@@ -1,6 +1,11 @@
 // The activations of the contract in float, written so that loops over them vectorise (no libm
 // calls in the hot loop): exp by range reduction and a degree-6 polynomial (relative error ~1e-7),
 // erf by Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7). Both are far below the f32 tolerance.
+//
+// Compiled twice, into two namespaces: moekit::cpu::portable (the default, for the build's baseline
+// instruction set) and moekit::cpu::avx512 (activation_avx512.cpp defines MOEKIT_ACTIVATION_ISA first and is
+// built with AVX-512), so that the two copies of these inline functions never meet at link time. Callers use
+// cpu::apply_activation (activation.h), which picks one at run time.
 #pragma once
 
 #include <algorithm>
@@ -10,7 +15,13 @@
 
 #include "moekit/experts.h"
 
-namespace moekit::cpu {
+// A file built with per-file AVX-512 flags must not include this header without its own namespace: its
+// copies of the portable functions could then be the ones the linker keeps.
+#ifndef MOEKIT_ACTIVATION_ISA
+#define MOEKIT_ACTIVATION_ISA portable
+#endif
+
+namespace moekit::cpu::MOEKIT_ACTIVATION_ISA {
 
 inline float exp_approx(float x) {
   x = std::clamp(x, -87.0f, 88.0f);
@@ -46,12 +57,22 @@ inline float tanh_approx(float x) {
 }
 
 // h[j] = act(gate[j * gate_stride]) * up[j * up_stride] for gated experts (up ignored when not gated),
-// or the GPT-OSS clamped SwiGLU when config.swiglu_limit is set. Writes n values to h.
+// or the GPT-OSS clamped SwiGLU when config.swiglu_limit is set. Writes n values to h. Unit strides (gate and
+// up rows side by side) get a loop of their own, which vectorises with plain loads instead of gathers.
 template <typename Out>
-void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                      int64_t up_stride, int64_t n, Out* h) {
+void activate_rows(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up, int64_t up_stride,
+                   int64_t n, Out* h) {
   const bool gated = c.has_gate;
+  const bool unit = gate_stride == 1 && (up_stride == 1 || !gated);
   auto run = [&](auto act) {
+    if (unit) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float a = act(gate[j]);
+        h[j] = from_float<Out>(gated ? a * up[j] : a);
+      }
+      return;
+    }
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
       const float g = gate[j * gate_stride];
@@ -88,4 +109,4 @@ void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_st
   }
 }
 
-}  // namespace moekit::cpu
+}  // namespace moekit::cpu::MOEKIT_ACTIVATION_ISA

@@ -1,0 +1,26 @@
+// The gated activation of the experts contract over rows of products, in float: one entry point that runs
+// the AVX-512 build of activation_math.h where the CPU has it (gemv_uses_avx512), else the portable one.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/dtype.h"
+#include "moekit/experts.h"
+
+namespace moekit::cpu {
+
+// h[j] = act(gate[j * gate_stride]) * up[j * up_stride] (activation_math.h's activate_rows) for j < n.
+void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
+                      int64_t up_stride, int64_t n, float* h);
+void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
+                      int64_t up_stride, int64_t n, bf16* h);
+
+namespace avx512 {
+// activate_rows compiled for AVX-512 (activation_avx512.cpp); only where gemv_uses_avx512().
+void activate_rows_avx512(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
+                          int64_t up_stride, int64_t n, float* h);
+void activate_rows_avx512(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
+                          int64_t up_stride, int64_t n, bf16* h);
+}  // namespace avx512
+
+}  // namespace moekit::cpu
