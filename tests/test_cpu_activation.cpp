@@ -13,39 +13,10 @@
 #include "moekit/cpu/gemv.h"
 #include "moekit/dtype.h"
 #include "moekit/experts.h"
+#include "moekit/reference.h"
 
 namespace moekit {
 namespace {
-
-// act(g) * u in float64, as the contract defines it.
-double expected(const ExpertsConfig& c, double g, double u) {
-  const auto sigmoid = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
-  if (c.swiglu_limit) {
-    const double limit = *c.swiglu_limit;
-    g = std::min(g, limit);
-    u = std::clamp(u, -limit, limit);
-    return (u + 1.0) * g * sigmoid(c.swiglu_alpha * g);
-  }
-  double a = 0.0;
-  switch (c.activation) {
-    case Activation::silu:
-      a = g * sigmoid(g);
-      break;
-    case Activation::gelu:
-      a = 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0)));
-      break;
-    case Activation::gelu_pytorch_tanh:
-      a = 0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)));
-      break;
-    case Activation::relu:
-      a = g > 0 ? g : 0.0;
-      break;
-    case Activation::relu2:
-      a = g > 0 ? g * g : 0.0;
-      break;
-  }
-  return c.has_gate ? a * u : a;
-}
 
 std::vector<ExpertsConfig> configs() {
   std::vector<ExpertsConfig> out;
@@ -86,7 +57,7 @@ TEST(CpuActivation, Avx512MatchesPortableAndFloat64) {
         cpu::portable::activate_rows(c, gate, stride, up, stride, n, portable_bf16.data());
         for (int64_t j = 0; j < n; ++j) {
           const auto k = static_cast<std::size_t>(j);
-          const double g = gate[j * stride], u = up[j * stride], want = expected(c, g, u);
+          const double g = gate[j * stride], u = up[j * stride], want = reference_activation(c, g, u);
           // Both builds within the approximations' error of float64 (relative 1e-6 of the value, and of the
           // gate and up magnitudes for the cancellation near zero)...
           const double bound = 2e-6 * (std::fabs(want) + std::fabs(g * u) + 1e-30) + 1e-6;
@@ -116,7 +87,7 @@ TEST(CpuActivation, EntryPointRunsTheSameRows) {
     cpu::portable::activate_rows(c, gate.data(), 1, up.data(), 1, 5, want.data());
   for (std::size_t j = 0; j < gate.size(); ++j) {
     EXPECT_EQ(out[j], want[j]);
-    EXPECT_NEAR(out[j], expected(c, gate[j], up[j]), 1e-5);
+    EXPECT_NEAR(out[j], reference_activation(c, gate[j], up[j]), 1e-5);
   }
 }
 
