@@ -4,11 +4,10 @@
 #include "moekit/cpu/gemv.h"
 
 namespace moekit::cpu {
-namespace {
 
 template <typename Out>
-void dispatch(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up, int64_t up_stride,
-              int64_t n, Out* h) {
+void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
+                      int64_t up_stride, int64_t n, Out* h) {
   static const bool vector = gemv_uses_avx512();
   if (vector)
     avx512::activate_rows_avx512(c, gate, gate_stride, up, up_stride, n, h);
@@ -16,16 +15,7 @@ void dispatch(const ExpertsConfig& c, const float* gate, int64_t gate_stride, co
     portable::activate_rows(c, gate, gate_stride, up, up_stride, n, h);
 }
 
-}  // namespace
-
-void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                      int64_t up_stride, int64_t n, float* h) {
-  dispatch(c, gate, gate_stride, up, up_stride, n, h);
-}
-
-void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                      int64_t up_stride, int64_t n, bf16* h) {
-  dispatch(c, gate, gate_stride, up, up_stride, n, h);
-}
+template void apply_activation(const ExpertsConfig&, const float*, int64_t, const float*, int64_t, int64_t, float*);
+template void apply_activation(const ExpertsConfig&, const float*, int64_t, const float*, int64_t, int64_t, bf16*);
 
 }  // namespace moekit::cpu

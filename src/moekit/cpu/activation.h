@@ -10,17 +10,17 @@
 namespace moekit::cpu {
 
 // h[j] = act(gate[j * gate_stride]) * up[j * up_stride] (activation_math.h's activate_rows) for j < n.
+// Out: float or bf16 (the instantiations activation.cpp provides).
+template <typename Out>
 void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                      int64_t up_stride, int64_t n, float* h);
-void apply_activation(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                      int64_t up_stride, int64_t n, bf16* h);
+                      int64_t up_stride, int64_t n, Out* h);
 
 namespace avx512 {
-// activate_rows compiled for AVX-512 (activation_avx512.cpp); only where gemv_uses_avx512().
+// activate_rows compiled for AVX-512 (activation_avx512.cpp, for float and bf16); only where
+// gemv_uses_avx512().
+template <typename Out>
 void activate_rows_avx512(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                          int64_t up_stride, int64_t n, float* h);
-void activate_rows_avx512(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                          int64_t up_stride, int64_t n, bf16* h);
+                          int64_t up_stride, int64_t n, Out* h);
 }  // namespace avx512
 
 }  // namespace moekit::cpu

@@ -7,14 +7,13 @@
 
 namespace moekit::cpu::avx512 {
 
+template <typename Out>
 void activate_rows_avx512(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                          int64_t up_stride, int64_t n, float* h) {
+                          int64_t up_stride, int64_t n, Out* h) {
   activate_rows(c, gate, gate_stride, up, up_stride, n, h);
 }
 
-void activate_rows_avx512(const ExpertsConfig& c, const float* gate, int64_t gate_stride, const float* up,
-                          int64_t up_stride, int64_t n, bf16* h) {
-  activate_rows(c, gate, gate_stride, up, up_stride, n, h);
-}
+template void activate_rows_avx512(const ExpertsConfig&, const float*, int64_t, const float*, int64_t, int64_t, float*);
+template void activate_rows_avx512(const ExpertsConfig&, const float*, int64_t, const float*, int64_t, int64_t, bf16*);
 
 }  // namespace moekit::cpu::avx512
