@@ -39,15 +39,16 @@ namespace {
 using hopper::Epilogue;
 using hopper::kBlockM;
 
-// Weight rows per column block (gated: half gate, half up rows) and pipeline depth: bf16 4 x 48 KB,
-// FP8 (whose second set of accumulators takes the registers of a wider tile) 6 x 33 KB, or 5 beside the
-// two 17 KB buffers through which its second projection's epilogue is stored.
+// Weight rows per column block (gated: half gate, half up rows) and pipeline depth: bf16 4 x 48 KB, or 3
+// beside the two 33 KB buffers through which its second projection's epilogue is stored; FP8 (whose second
+// set of accumulators takes the registers of a wider tile) 6 x 33 KB, or 5 beside two 17 KB buffers.
 template <bool kFp8>
 constexpr int kTileN = kFp8 ? 128 : 256;
 template <bool kFp8, Epilogue kEpi>
 constexpr int pipeline_stages() {
-  if (!kFp8) return 4;
-  return hopper::staged_epilogue<kFp8, kEpi>() ? 5 : 6;
+  const bool staged = hopper::staged_epilogue<kFp8, kEpi>();
+  if (!kFp8) return staged ? 3 : 4;
+  return staged ? 5 : 6;
 }
 template <bool kFp8, Epilogue kEpi>
 constexpr int kStages = pipeline_stages<kFp8, kEpi>();

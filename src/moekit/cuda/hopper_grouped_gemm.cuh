@@ -178,25 +178,27 @@ template <int BN, bool kFp8>
 constexpr int stage_bytes() {
   return ((kBlockM + BN) * kRowBytes + (kFp8 ? kBlockM * 4 : 0) + 1023) / 1024 * 1024;
 }
-// FP8's second projection (staged_epilogue): each math warpgroup hands its finished 64 rows to the producer
-// warpgroup's idle warps through a buffer of its own, rows of 256 bytes (128 bf16 outputs) padded to 272
-// so that the quad-per-row stores of a warp hit 32 different banks.
-constexpr int kStagedPitch = 256 + 16;
-constexpr int kStagedBytes = 64 * kStagedPitch;
-// Only the FP8 second projection stages its rows: measured (GEMM alone, FP8, m 512) DeepSeek-V3 down 697 ->
+// The second projection (staged_epilogue): each math warpgroup hands its finished 64 rows to the producer
+// warpgroup's idle warps through a buffer of its own, rows of BN 2-byte outputs padded by 16 bytes so that
+// the quad-per-row stores of a warp hit 32 different banks (a row pitch of 4 banks mod 32).
+template <int BN>
+constexpr int kStagedPitch = BN * 2 + 16;
+template <int BN>
+constexpr int kStagedBytes = 64 * kStagedPitch<BN>;
+// Only the second projection stages its rows: measured (GEMM alone, FP8, m 512) DeepSeek-V3 down 697 ->
 // 761-784 TFLOP/s and Qwen3 down 418 -> 523, but the gated first projection (float rows) 814 -> 732-736.
 template <bool kFp8, Epilogue kEpi>
 constexpr bool staged_epilogue() {
-  return kFp8 && kEpi == Epilogue::store_rows;
+  return kEpi == Epilogue::store_rows;
 }
-template <bool kFp8, Epilogue kEpi>
+template <int BN, bool kFp8, Epilogue kEpi>
 constexpr int staged_epilogue_bytes() {
-  return staged_epilogue<kFp8, kEpi>() ? kMathGroups * kStagedBytes : 0;
+  return staged_epilogue<kFp8, kEpi>() ? kMathGroups * kStagedBytes<BN> : 0;
 }
 template <int BN, int kStages, bool kFp8, Epilogue kEpi>
 constexpr std::size_t gemm_smem_bytes() {
   // Stages, 1 KB for aligning them to the swizzle atom, the staging buffers, and the full/empty barriers.
-  return static_cast<std::size_t>(kStages) * stage_bytes<BN, kFp8>() + 1024 + staged_epilogue_bytes<kFp8, kEpi>() +
+  return static_cast<std::size_t>(kStages) * stage_bytes<BN, kFp8>() + 1024 + staged_epilogue_bytes<BN, kFp8, kEpi>() +
          2 * kStages * 8;
 }
 
@@ -337,10 +339,10 @@ __device__ __forceinline__ void row_weights(const GemmParams& p, int64_t m_tile,
 
 // Two adjacent outputs of row `row` (0-63), column `col` of a warpgroup's staging buffer, packed (only the
 // second projection, whose outputs are 2-byte, is staged).
-template <typename O>
+template <typename O, int BN>
 __device__ __forceinline__ void stage_pair(uint8_t* staged, int row, int col, float2 v) {
   static_assert(sizeof(O) == 2, "staged rows hold 2-byte outputs");
-  *reinterpret_cast<uint32_t*>(staged + row * kStagedPitch + col * 2) = pack2<O>(v.x, v.y);
+  *reinterpret_cast<uint32_t*>(staged + row * kStagedPitch<BN> + col * 2) = pack2<O>(v.x, v.y);
 }
 
 // The epilogue of one warpgroup's 64 rows: into out, or (kStaged; not gated) into its staging buffer
@@ -406,7 +408,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
           v = make_float2(v0 * w, v1 * w);
         }
         if constexpr (kStaged)
-          stage_pair<O>(staged, acc_row(warp, lane, i), acc_col(lane, i), v);
+          stage_pair<O, BN>(staged, acc_row(warp, lane, i), acc_col(lane, i), v);
         else if constexpr (kPacked)
           words[k] = pack2<O>(v.x, v.y);
         else if (j < p.outputs)
@@ -424,7 +426,7 @@ template <typename O, int kCols>
 __device__ __forceinline__ void copy_staged(const GemmParams& p, const uint8_t* staged, int64_t tile_row, int math,
                                             int64_t col_base, int copier) {
   constexpr int kChunks = kCols * static_cast<int>(sizeof(O)) / 16, kPerChunk = 16 / static_cast<int>(sizeof(O));
-  static_assert(kChunks * 16 <= kStagedPitch - 16, "a staged row holds 256 bytes");
+  static_assert(kChunks * 16 == kStagedPitch<kCols> - 16, "a staged row holds kCols outputs");
   O* out = static_cast<O*>(p.out);
 #pragma unroll 4
   for (int c = copier; c < 64 * kChunks; c += kCopyThreads) {
@@ -432,7 +434,7 @@ __device__ __forceinline__ void copy_staged(const GemmParams& p, const uint8_t* 
     const int64_t col = col_base + chunk * kPerChunk;
     if (col < p.outputs)
       *reinterpret_cast<uint4*>(out + (tile_row + math * 64 + r) * p.outputs + col) =
-          *reinterpret_cast<const uint4*>(staged + r * kStagedPitch + chunk * 16);
+          *reinterpret_cast<const uint4*>(staged + r * kStagedPitch<kCols> + chunk * 16);
   }
 }
 
@@ -468,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the tensor cores idle).
   constexpr bool kStaged = staged_epilogue<kFp8, kEpi>();
   uint8_t* staged = smem + kStages * kStageBytes;
-  auto* full = reinterpret_cast<uint64_t*>(staged + staged_epilogue_bytes<kFp8, kEpi>());
+  auto* full = reinterpret_cast<uint64_t*>(staged + staged_epilogue_bytes<BN, kFp8, kEpi>());
   uint64_t* empty = full + kStages;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -624,7 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int m = 0; m < kMathGroups; ++m) {
             if (idle_of(t, m)) continue;
             named_sync(3 + m, 128 + kCopyThreads);
-            copy_staged<Out, kOutCols>(p, staged + m * kStagedBytes, t.row, m, col_base, copier);
+            copy_staged<Out, kOutCols>(p, staged + m * kStagedBytes<BN>, t.row, m, col_base, copier);
             named_arrive(5 + m, 128 + kCopyThreads);
           }
         }
@@ -785,7 +787,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kStaged) {
           named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's rows
           store_epilogue<T, Out, BN, kEpi, true>(p, acc, weight, t.expert, t.row, t.n_block, math,
-                                                 staged + math * kStagedBytes);
+                                                 staged + math * kStagedBytes<BN>);
           named_arrive(3 + math, 128 + kCopyThreads);
         } else {
           store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.row, t.n_block, math);
