@@ -6,8 +6,8 @@
 namespace moekit::backends {
 namespace {
 
-bool aligned16(const Tensor& t) {
-  return !t.defined() || (reinterpret_cast<uintptr_t>(t.data()) & 15u) == 0;
+bool aligned(const Tensor& t, uintptr_t bytes) {
+  return !t.defined() || (reinterpret_cast<uintptr_t>(t.data()) & (bytes - 1)) == 0;
 }
 
 }  // namespace
@@ -52,7 +52,9 @@ Support HopperBackend::supports(const ExpertsProblem& p) const {
                        std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +
                        " must be multiples of 128");
   for (const Tensor* t : {&p.hidden_states, &p.gate_up_proj, &p.down_proj})
-    if (!aligned16(*t)) return Support::no(n + " needs 16-byte aligned hidden states and weights");
+    if (!aligned(*t, 16)) return Support::no(n + " needs 16-byte aligned hidden states and weights");
+  if (p.config.has_bias && !(aligned(p.gate_up_proj_bias, 4) && aligned(p.down_proj_bias, 4)))
+    return Support::no(n + " reads biases two at a time: they must be 4-byte aligned");
   return Support::yes();
 }
 

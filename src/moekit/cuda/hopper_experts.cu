@@ -39,19 +39,15 @@ namespace {
 using hopper::Epilogue;
 using hopper::kBlockM;
 
-// Weight rows per column block (gated: half gate, half up rows) and pipeline depth: bf16 4 x 48 KB, or 3
-// beside the two 33 KB buffers through which its second projection's epilogue is stored; FP8 (whose second
-// set of accumulators takes the registers of a wider tile) 6 x 33 KB, or 5 beside two 17 KB buffers.
+// Weight rows per column block (gated: half gate, half up rows) and pipeline depth: bf16 4 x 48 KB (3 beside
+// the second projection's two 33 KB staging buffers); FP8 (whose second set of accumulators takes the
+// registers of a wider tile) 6 x 34 KB (5 beside two 17 KB buffers).
 template <bool kFp8>
 constexpr int kTileN = kFp8 ? 128 : 256;
 template <bool kFp8, Epilogue kEpi>
-constexpr int pipeline_stages() {
-  const bool staged = hopper::staged_epilogue<kFp8, kEpi>();
-  if (!kFp8) return staged ? 3 : 4;
-  return staged ? 5 : 6;
-}
-template <bool kFp8, Epilogue kEpi>
-constexpr int kStages = pipeline_stages<kFp8, kEpi>();
+constexpr int kStages = hopper::fitting_stages<kTileN<kFp8>, kFp8, kEpi, kFp8 ? 6 : 4>();
+static_assert(kStages<false, Epilogue::gated_activation> == 4 && kStages<false, Epilogue::store_rows> == 3 &&
+              kStages<true, Epilogue::gated_activation> == 6 && kStages<true, Epilogue::store_rows> == 5);
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;
@@ -206,8 +202,8 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CU
                     const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
   constexpr int BN = kTileN<kFp8>;
   auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kStages<kFp8, kEpi>, kCluster, kGatherA, kFp8>;
-  constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kStages<kFp8, kEpi>, kFp8, kEpi>();
-  static_assert(smem <= 227 * 1024, "the pipeline does not fit in shared memory");
+  constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kFp8, kEpi>(kStages<kFp8, kEpi>);
+  static_assert(smem <= hopper::kSharedMemoryLimit, "the pipeline does not fit in shared memory");
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -434,10 +430,12 @@ void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stre
 }  // namespace
 
 bool hopper_gemm_runs(const ExpertsArgs& a) {
-  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  auto aligned = [](const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; };
   const int64_t granule = a.fp8() ? 128 : 8;  // FP8: whole scale blocks; otherwise 16-byte rows
+  // Biases (null when absent) are read two at a time by the epilogues.
   return !a.fp4() && (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && a.hidden % granule == 0 &&
-         a.intermediate % granule == 0 && aligned(a.x) && aligned(a.up) && aligned(a.down) && device_is_sm90();
+         a.intermediate % granule == 0 && aligned(a.x, 16) && aligned(a.up, 16) && aligned(a.down, 16) &&
+         aligned(a.up_bias, 4) && aligned(a.down_bias, 4) && device_is_sm90();
 }
 
 bool hopper_decode_streams(const ExpertsArgs& a) {

@@ -19,9 +19,10 @@
 // With masked_m set (the masked layout), a tile's rows start inside its group's block of rows.
 // kFp8 (deepgemm's FP8 experts): e4m3 operands with block scales, promoted per 128-deep block (see the
 // kernel); the first projection's epilogue then stores float, which a separate pass quantises.
-// Epilogues with 2-byte outputs store 16-byte row pieces (store_group_pair); FP8's store_rows epilogue
-// instead writes each warpgroup's rows to a shared-memory buffer and goes on to its next tile while warps
-// 1-3 of the producer warpgroup copy them out (staged_epilogue, named barriers 3-6).
+// Epilogues with 2-byte outputs (both projections in bf16/f16, FP8's second) write each warpgroup's rows to a
+// shared-memory buffer and go on to the next tile while warps 1-3 of the producer warpgroup copy them out
+// (staged_epilogue, named barriers 3-6); with kGatherA, and for FP8's float rows, the math warpgroups store
+// them themselves (2-byte outputs in 16-byte row pieces, store_group_pair).
 // A math warpgroup whose rows are all padding (or past masked_m) issues no wgmma: its warps only pass the
 // stages on, meeting at a named barrier before each release (1 + math) so that none drifts behind.
 // Built with MOEKIT_HOPPER_WATCHDOG=1, a pipeline wait that lasts seconds reports where it is and traps.
@@ -178,28 +179,41 @@ template <int BN, bool kFp8>
 constexpr int stage_bytes() {
   return ((kBlockM + BN) * kRowBytes + (kFp8 ? kBlockM * 4 : 0) + 1023) / 1024 * 1024;
 }
-// The second projection (staged_epilogue): each math warpgroup hands its finished 64 rows to the producer
-// warpgroup's idle warps through a buffer of its own, rows of BN 2-byte outputs padded by 16 bytes so that
-// the quad-per-row stores of a warp hit 32 different banks (a row pitch of 4 banks mod 32).
-template <int BN>
-constexpr int kStagedPitch = BN * 2 + 16;
-template <int BN>
-constexpr int kStagedBytes = 64 * kStagedPitch<BN>;
-// Only the second projection stages its rows: measured (GEMM alone, FP8, m 512) DeepSeek-V3 down 697 ->
-// 761-784 TFLOP/s and Qwen3 down 418 -> 523, but the gated first projection (float rows) 814 -> 732-736.
+// Staged epilogues (staged_epilogue): each math warpgroup hands its finished 64 rows of kCols 2-byte outputs to
+// the producer warpgroup's idle warps through a buffer of its own, rows padded by 16 bytes so that the
+// quad-per-row stores of a warp hit 32 different banks (a row pitch of 4 banks mod 32).
+template <int kCols>
+constexpr int kStagedPitch = kCols * 2 + 16;
+template <int kCols>
+constexpr int kStagedBytes = 64 * kStagedPitch<kCols>;
+// Output columns of a tile: the gated epilogue pairs gate and up columns.
+template <int BN, Epilogue kEpi>
+constexpr int kOutCols = kEpi == Epilogue::gated_activation ? BN / 2 : BN;
+// Epilogues with 2-byte outputs stage their rows: the second projection (FP8 and bf16/f16) and the bf16/f16
+// gated first projection. Measured (GEMM alone, m 512): FP8 DeepSeek-V3 down 697 -> 761-784 TFLOP/s, Qwen3
+// down 418 -> 523; bf16 Qwen3 down 234 -> 200 us. FP8's first projection writes float rows, twice the bytes,
+// and staged them slower (814 -> 732-736); the ungated activation epilogue is not staged.
 template <bool kFp8, Epilogue kEpi>
 constexpr bool staged_epilogue() {
-  return kEpi == Epilogue::store_rows;
+  return kEpi == Epilogue::store_rows || (!kFp8 && kEpi == Epilogue::gated_activation);
 }
 template <int BN, bool kFp8, Epilogue kEpi>
 constexpr int staged_epilogue_bytes() {
-  return staged_epilogue<kFp8, kEpi>() ? kMathGroups * kStagedBytes<BN> : 0;
+  return staged_epilogue<kFp8, kEpi>() ? kMathGroups * kStagedBytes<kOutCols<BN, kEpi>> : 0;
 }
-template <int BN, int kStages, bool kFp8, Epilogue kEpi>
-constexpr std::size_t gemm_smem_bytes() {
-  // Stages, 1 KB for aligning them to the swizzle atom, the staging buffers, and the full/empty barriers.
-  return static_cast<std::size_t>(kStages) * stage_bytes<BN, kFp8>() + 1024 + staged_epilogue_bytes<BN, kFp8, kEpi>() +
-         2 * kStages * 8;
+// The dynamic shared memory a block may use, and what a pipeline of kStages takes: the stages (their base is
+// aligned to the swizzle atom's 1 KB by the declaration), the staging buffers and the full/empty barriers.
+constexpr std::size_t kSharedMemoryLimit = 227 * 1024;
+template <int BN, bool kFp8, Epilogue kEpi>
+constexpr std::size_t gemm_smem_bytes(int stages) {
+  return static_cast<std::size_t>(stages) * (stage_bytes<BN, kFp8>() + 2 * 8) + staged_epilogue_bytes<BN, kFp8, kEpi>();
+}
+// The deepest pipeline of at most kMax stages that fits beside the staging buffers.
+template <int BN, bool kFp8, Epilogue kEpi, int kMax>
+constexpr int fitting_stages() {
+  int stages = kMax;
+  while (stages > 2 && gemm_smem_bytes<BN, kFp8, kEpi>(stages) > kSharedMemoryLimit) --stages;
+  return stages;
 }
 
 // Named barriers (id 0 is __syncthreads): 1 + math, an idle warpgroup's warps; 3 + math, "warpgroup
@@ -337,21 +351,26 @@ __device__ __forceinline__ void row_weights(const GemmParams& p, int64_t m_tile,
   }
 }
 
-// Two adjacent outputs of row `row` (0-63), column `col` of a warpgroup's staging buffer, packed (only the
-// second projection, whose outputs are 2-byte, is staged).
-template <typename O, int BN>
+// Two adjacent outputs of row `row` (0-63), column `col` of a warpgroup's staging buffer of kCols columns,
+// packed (only 2-byte outputs are staged).
+template <typename O, int kCols>
 __device__ __forceinline__ void stage_pair(uint8_t* staged, int row, int col, float2 v) {
   static_assert(sizeof(O) == 2, "staged rows hold 2-byte outputs");
-  *reinterpret_cast<uint32_t*>(staged + row * kStagedPitch<BN> + col * 2) = pack2<O>(v.x, v.y);
+  *reinterpret_cast<uint32_t*>(staged + row * kStagedPitch<kCols> + col * 2) = pack2<O>(v.x, v.y);
 }
 
-// The epilogue of one warpgroup's 64 rows: into out, or (kStaged; not gated) into its staging buffer
+// Two adjacent biases in one load (even columns; the biases are 4-byte aligned, hopper_gemm_runs).
+template <typename T>
+__device__ __forceinline__ float2 bias_pair(uint32_t b) {
+  return make_float2(to_f(T{static_cast<uint16_t>(b & 0xffffu)}), to_f(T{static_cast<uint16_t>(b >> 16)}));
+}
+
+// The epilogue of one warpgroup's 64 rows: into out, or (kStaged) into its staging buffer
 // `staged`, whose rows copy_staged then stores.
 template <typename T, typename O, int BN, Epilogue kEpi, bool kStaged = false>
 __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float* acc, const float (&weight)[2],
                                                int64_t expert, int64_t tile_row, int n_block, int math,
                                                uint8_t* staged = nullptr) {
-  static_assert(!(kStaged && kEpi == Epilogue::gated_activation), "only the second projection is staged");
   const ExpertsArgs& a = p.a;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int64_t row_base = tile_row + math * 64;
@@ -377,29 +396,39 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
         // SiLU, the common case, inline (activate's arithmetic); the others through the call.
         const float2 h = is_silu ? make_float2(silu(g0) * u0, silu(g1) * u1)
                                  : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
-        if constexpr (kPacked)
+        if constexpr (kStaged)
+          stage_pair<O, BN / 2>(staged, acc_row(warp, lane, i), acc_col(lane, i), h);
+        else if constexpr (kPacked)
           words[k] = pack2<O>(h.x, h.y);
         else if (j < p.outputs)
           store_pair(static_cast<O*>(p.out) + (row_base + acc_row(warp, lane, i)) * p.outputs + j, h);
       }
-      if constexpr (kPacked)
+      if constexpr (kPacked && !kStaged)
         store_group_pair(static_cast<O*>(p.out), p.outputs, row_base, col_base, p.outputs, m, words, warp, lane);
     }
   } else {
-    const int64_t N = kEpi == Epilogue::activation ? a.intermediate : a.hidden;
     const int64_t col_base = int64_t{n_block} * BN;
+    // This thread's biases: columns col_base + 2 (lane % 4) + 8 c for c = 0 .. BN / 8 - 1, `left` of them inside
+    // the output. Addressed from one base with constant offsets: with a 64-bit column and bound per pair, the
+    // bf16 store_rows kernels spilled.
     const T* bias = nullptr;
-    if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias) + expert * N;
-    if (kEpi == Epilogue::store_rows && a.down_bias) bias = static_cast<const T*>(a.down_bias) + expert * N;
+    if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias);
+    if (kEpi == Epilogue::store_rows && a.down_bias) bias = static_cast<const T*>(a.down_bias);
+    const int64_t first_col = col_base + (lane % 4) * 2;
+    if (bias) bias += expert * p.outputs + first_col;
+    const int left = static_cast<int>(min(p.outputs - first_col, int64_t{BN}));
 #pragma unroll
     for (int m = 0; m < BN / 16; ++m) {
-      uint32_t words[4];
+      uint32_t words[4], b[2] = {0, 0};  // the biases of column groups 2m and 2m + 1
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (bias && (2 * m + h) * 8 < left) b[h] = *reinterpret_cast<const uint32_t*>(bias + (2 * m + h) * 8);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int i = 8 * m + 2 * k;
         const int64_t j = col_base + acc_col(lane, i);
-        float v0 = acc[i], v1 = acc[i + 1];
-        if (bias && j < p.outputs) v0 += to_f(bias[j]), v1 += to_f(bias[j + 1]);
+        const float2 bk = bias_pair<T>(b[k >> 1]);
+        const float v0 = acc[i] + bk.x, v1 = acc[i + 1] + bk.y;
         float2 v;
         if constexpr (kEpi == Epilogue::activation) {
           v = activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
@@ -463,12 +492,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kStageBytes = stage_bytes<BN, kFp8>();
   constexpr int kScaleOffset = kABytes + 2 * kHalfBytes;  // FP8: the A row scales of the stage
   constexpr int kK = kStageK<kFp8>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  // FP8's second projection: the math warpgroups stage their finished rows for warps 1-3 of the producer
-  // warpgroup to store, and go on to their next tile (the epilogue otherwise took ~23% of their time, with
+  // The 128-byte swizzle needs stages aligned to 1 KB: the declaration asks for it (no slack is budgeted).
+  extern __shared__ __align__(1024) uint8_t smem[];
+  // Staged epilogues: the math warpgroups stage their finished rows for warps 1-3 of the producer warpgroup to
+  // store, and go on to their next tile (FP8's second projection otherwise spent ~23% of its time there, with
   // the tensor cores idle).
-  constexpr bool kStaged = staged_epilogue<kFp8, kEpi>();
+  // Not with kGatherA, whose producer warps all gather.
+  constexpr bool kStaged = staged_epilogue<kFp8, kEpi>() && !kGatherA;
+  if (threadIdx.x == 0 && cute::cast_smem_ptr_to_uint(smem) % 1024 != 0) __trap();  // never seen; guards the above
   uint8_t* staged = smem + kStages * kStageBytes;
   auto* full = reinterpret_cast<uint64_t*>(staged + staged_epilogue_bytes<BN, kFp8, kEpi>());
   uint64_t* empty = full + kStages;
@@ -535,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
            (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
                        : p.idle_padding && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
   };
-  constexpr int kOutCols = kEpi == Epilogue::gated_activation ? BN / 2 : BN;
+  constexpr int kCols = kOutCols<BN, kEpi>;
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
@@ -574,8 +605,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < 8; ++i) {
               const int r = first_row + 16 * i;  // r % 8 == first_row % 8: the 128-byte swizzle's row phase
               const bool ok = token[i] >= 0 && col < p.a.hidden;
-              cp_async16(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16),
-                               ok ? x + token[i] * p.a.hidden + col : x, ok);
+              cp_async16(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16), ok ? x + token[i] * p.a.hidden + col : x, ok);
             }
             cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
             if (threadIdx.x != 0) {
@@ -612,7 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    if constexpr (kStaged && !kGatherA) {
+    if constexpr (kStaged) {
       if (threadIdx.x >= 32) {  // warps 1-3: store the rows the math warpgroups stage, tile by tile
         const int copier = threadIdx.x - 32;
 #pragma unroll
@@ -621,12 +651,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int64_t unit = first_unit; unit < units; unit += unit_step) {
           const Tile t = tile_of(unit, hint);
           if (!t.valid) continue;
-          const int64_t col_base = int64_t{t.n_block} * kOutCols;
+          const int64_t col_base = int64_t{t.n_block} * kCols;
 #pragma unroll
           for (int m = 0; m < kMathGroups; ++m) {
             if (idle_of(t, m)) continue;
             named_sync(3 + m, 128 + kCopyThreads);
-            copy_staged<Out, kOutCols>(p, staged + m * kStagedBytes<BN>, t.row, m, col_base, copier);
+            copy_staged<Out, kCols>(p, staged + m * kStagedBytes<kCols>, t.row, m, col_base, copier);
             named_arrive(5 + m, 128 + kCopyThreads);
           }
         }
@@ -787,7 +817,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kStaged) {
           named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's rows
           store_epilogue<T, Out, BN, kEpi, true>(p, acc, weight, t.expert, t.row, t.n_block, math,
-                                                 staged + math * kStagedBytes<BN>);
+                                                 staged + math * kStagedBytes<kCols>);
           named_arrive(3 + math, 128 + kCopyThreads);
         } else {
           store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.row, t.n_block, math);
