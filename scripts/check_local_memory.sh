@@ -3,10 +3,13 @@
 # Hopper GEMM):
 #   - no kernel uses local memory (LDL / STL: spilled registers, or arrays the compiler could not keep in
 #     registers), except the kernels listed in `known` below, each with its reason;
-#   - the Hopper grouped GEMM kernels are there and contain HGMMA (bf16/f16) and QGMMA (FP8).
+#   - the Hopper grouped GEMM kernels are there and contain HGMMA (bf16/f16) and QGMMA (FP8), issued in
+#     batches: a kernel with as many WARPGROUP.ARRIVE as wgmma instructions had its wgmma pipeline serialised
+#     by ptxas (its C7511 / C7515 "Potential Performance Loss" notes: too few registers, or accumulators
+#     written by other instructions inside the pipeline), each wgmma waited for alone.
 # Usage: scripts/check_local_memory.sh BINARY
 # Exit status: 0 clean; 1 a kernel outside the list uses local memory, or the Hopper kernels lack their
-# wgmma (each named); 77 no cuobjdump here (scripts/fetch_sass_tools.sh fetches it): skipped.
+# wgmma or have it serialised (each named); 77 no cuobjdump here (scripts/fetch_sass_tools.sh fetches it): skipped.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 binary=${1:?usage: scripts/check_local_memory.sh BINARY}
@@ -62,6 +65,13 @@ while read -r name fields; do
     [[ $fields == *" QGMMA=0 "* ]] && echo "FAILED: $name (FP8) has no QGMMA" >&2 && status=1
   else
     [[ $fields == HGMMA=0* ]] && echo "FAILED: $name has no HGMMA" >&2 && status=1
+  fi
+  wgmma=$(sed -E 's/^HGMMA=([0-9]+) QGMMA=([0-9]+) .*/\1 + \2/' <<<"$fields")
+  wgmma=$((wgmma))
+  arrive=$(sed -E 's/.* ARRIVE=([0-9]+) .*/\1/' <<<"$fields")
+  if ((wgmma > 0 && arrive >= wgmma)); then
+    echo "FAILED: $name has its wgmma serialised ($arrive batches for $wgmma wgmma instructions)" >&2
+    status=1
   fi
 done <<<"$gemms"
 
