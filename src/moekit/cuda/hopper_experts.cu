@@ -39,9 +39,10 @@ namespace {
 using hopper::Epilogue;
 using hopper::kBlockM;
 
-// Weight rows per column block (gated: half gate, half up rows) and pipeline depth: bf16 4 x 48 KB (3 beside
-// the second projection's two 33 KB staging buffers); FP8 (whose second set of accumulators takes the
-// registers of a wider tile) 6 x 34 KB (5 beside two 17 KB buffers).
+// Weight rows per column block (gated: half gate, half up rows) and pipeline depth, the deepest that fits beside
+// the staging buffers: bf16 4 x 48 KB (beside the first projection's two 17 KB buffers; 3 beside the second's
+// two 33 KB); FP8 (whose second set of accumulators takes the registers of a wider tile) 6 x 34 KB (5 beside
+// the second projection's two 17 KB buffers).
 template <bool kFp8>
 constexpr int kTileN = kFp8 ? 128 : 256;
 template <bool kFp8, Epilogue kEpi>
