@@ -12,13 +12,13 @@
 # machine too after scripts/fetch_sass_tools.sh).
 # ncu: each kernel's GPU time in one call of each case of NCU_CASES (';'-separated `moekit bench` arguments,
 # one backend and one token count each), from Nsight Compute with the clocks left alone; kernels run one
-# at a time under ncu, so programmatic-launch overlap is not in these numbers.
+# at a time under ncu, so programmatic-launch overlap is not in these numbers. NCU_MOEKIT names the binary (default gpu-bundle/moekit).
 # profile: Nsight Compute on the Hopper GEMM alone, one launch per case of PROFILE_CASES (';'-separated `moekit
 # bench-gemm` arguments): throughputs and warp stalls (profile_N.txt), and stall samples per SASS instruction
 # (profile_N_sass.csv) for reading where the math warps wait.
 # kprofile: the same Nsight Compute sections on one kernel of a `moekit bench` run: KPROFILE_KERNEL (a regex of the
 # kernel's name, default the quantised batched_mm up kernel) in KPROFILE_CASES (';'-separated `moekit bench`
-# arguments, one case each), one launch after two skipped (kprofile_N.txt, kprofile_N_sass.csv).
+# arguments, one case each), one launch after two skipped (kprofile_N.txt, kprofile_N_sass.csv). NCU_MOEKIT names the binary here too.
 # stress: deepgemm at sizes with many all-padding warpgroups, STRESS_CALLS calls per case (default 5000), each
 # case under `timeout STRESS_SECONDS` (default 90): a hang in the grouped GEMM's pipeline becomes a failure that
 # names its case (the session-9 hang needed thousands of calls to show).
@@ -77,7 +77,7 @@ if [[ $what == ncu ]]; then
   for i in "${!cases[@]}"; do
     echo "== ${cases[$i]}"
     # shellcheck disable=SC2086
-    ncu --clock-control none --print-kernel-base function --metrics gpu__time_duration.sum --csv ./gpu-bundle/moekit bench --device cuda \
+    ncu --clock-control none --print-kernel-base function --metrics gpu__time_duration.sum --csv ${NCU_MOEKIT:-./gpu-bundle/moekit} bench --device cuda \
       --warmup 0 --repeats 1 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} >"$out/ncu_$i.csv" 2>"$out/ncu_$i.err"
     python3 - "$out/ncu_$i.csv" <<'PY'
 import csv, sys
@@ -117,7 +117,7 @@ if [[ $what == kprofile ]]; then
     # shellcheck disable=SC2086
     ncu --clock-control none -k "regex:${KPROFILE_KERNEL:-up_kernel}" --launch-skip 2 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
-      --section Occupancy --section LaunchStats -f -o "$out/kprofile_$i" ./gpu-bundle/moekit bench --device cuda \
+      --section Occupancy --section LaunchStats -f -o "$out/kprofile_$i" ${NCU_MOEKIT:-./gpu-bundle/moekit} bench --device cuda \
       --warmup 1 --repeats 2 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} >"$out/kprofile_$i.log" 2>&1
     tail -3 "$out/kprofile_$i.log"; rm -f "$out/kprofile_$i.log"
     ncu -i "$out/kprofile_$i.ncu-rep" --page details >"$out/kprofile_$i.txt" 2>&1

@@ -4,14 +4,18 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "harness.h"
 #include "moekit/backends/quantized_support.h"
 #include "moekit/cuda/fp4_f16_codes.h"
+#include "moekit/cuda/scale_division.h"
 #include "moekit/experts.h"
 #include "moekit/quantization.h"
 #include "moekit/random_problem.h"
@@ -262,8 +266,7 @@ namespace {
 // The f16 bit pattern's value (no inf / NaN among the patterns below).
 double f16_value(uint16_t bits) {
   const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
-  const double magnitude =
-      exponent == 0 ? std::ldexp(mantissa, -24) : std::ldexp(1024 + mantissa, exponent - 25);
+  const double magnitude = exponent == 0 ? std::ldexp(mantissa, -24) : std::ldexp(1024 + mantissa, exponent - 25);
   return bits & 0x8000 ? -magnitude : magnitude;
 }
 
@@ -301,6 +304,48 @@ TEST(Fp4AsF16, PowersOfTwoAndTheActivationOrder) {
     for (int r = 0; r < 8; ++r) ++seen[static_cast<std::size_t>(cuda::f16_code_position(8 * block + r) - 8 * block)];
     for (int r = 0; r < 8; ++r) EXPECT_EQ(seen[static_cast<std::size_t>(r)], 1);
   }
+}
+
+// The FP8 epilogue's division by an activation scale (amax / 448, at least FLT_MIN) must round as the division
+// does where it decides the e4m3 code: quantize_rows divides, and both write the same codes. Checked on amax
+// over the whole float range
+// (scales below kSmallestReciprocalScale take the division) and values of the row.
+TEST(ScaleDivision, RoundsAsTheDivisionOnActivationScales) {
+  std::mt19937_64 random(7);
+  auto from_bits = [](uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+  };
+  int64_t checked = 0, product_differs = 0;
+  for (int i = 0; i < 2000000; ++i) {
+    // amax: any positive normal float, or one near the threshold of the division (2^-80 .. 2^-48).
+    const uint32_t exponent =
+        i % 3 == 0 ? 47u + static_cast<uint32_t>(random() % 32) : 1u + static_cast<uint32_t>(random() % 254);
+    const float amax = from_bits((exponent << 23) | static_cast<uint32_t>(random() & 0x7fffffu));
+    if (!std::isfinite(amax)) continue;
+    const float scale = std::fmax(amax / 448.0f, 0x1p-126f);
+    const double unit = static_cast<double>(random() >> 11) * 0x1p-53 * 2.0 - 1.0;
+    // A row's values: a fraction of amax, or any sign, exponent up to amax's and mantissa (subnormals too).
+    const uint32_t bits = static_cast<uint32_t>(random());
+    const float value = i % 2 == 0 ? amax * static_cast<float>(unit)
+                                   : from_bits((bits & 0x807fffffu) | ((bits >> 8) % (exponent + 1)) << 23);
+    if (std::fabs(value) > amax) continue;
+    const float reciprocal = cuda::scale_reciprocal(scale);
+    const float quotient = value / scale, got = cuda::divide_by_scale(value, scale, reciprocal);
+    ++checked;
+    product_differs += value * reciprocal != quotient;
+    // The code is what must agree; the quotients themselves do, except below 2^-10, where the residual may be
+    // subnormal and both round to a zero code.
+    if (from_float<f8_e4m3>(got).bits != from_float<f8_e4m3>(quotient).bits ||
+        (std::fabs(quotient) >= 0x1p-10f && got != quotient)) {
+      ADD_FAILURE() << std::hexfloat << value << " / " << scale << ": " << got << ", the division gives " << quotient;
+      return;
+    }
+  }
+  EXPECT_GT(checked, 1000000);
+  // The cases discriminate: the plain product, without the correction, is wrong on some of them.
+  EXPECT_GT(product_differs, 1000);
 }
 
 }  // namespace

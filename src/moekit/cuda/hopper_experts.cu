@@ -48,7 +48,8 @@ constexpr int kTileN = kFp8 ? 128 : 256;
 template <bool kFp8, Epilogue kEpi>
 constexpr int kStages = hopper::fitting_stages<kTileN<kFp8>, kFp8, kEpi, kFp8 ? 6 : 4>();
 static_assert(kStages<false, Epilogue::gated_activation> == 4 && kStages<false, Epilogue::store_rows> == 3 &&
-              kStages<true, Epilogue::gated_activation> == 6 && kStages<true, Epilogue::store_rows> == 5);
+              kStages<true, Epilogue::gated_activation> == 6 && kStages<true, Epilogue::gated_quantized> == 5 &&
+              kStages<true, Epilogue::store_rows> == 5);
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;
@@ -80,7 +81,8 @@ Layout layout(const ExpertsArgs& a, Variant v) {
   l.rows = l.padded_pair + align256(M * 4);
   l.row_scales = l.rows + (v == Variant::sonicmoe ? 0 : align256(M * H * (a.fp8() ? 1 : e)));
   l.hidden = l.row_scales + (a.fp8() ? align256((H / 128) * M * 4) : 0);
-  l.hidden_q = l.hidden + align256(M * I * (a.fp8() ? 4 : e));
+  // FP8: float rows for the quantising pass, except gated, whose first projection writes the codes itself.
+  l.hidden_q = l.hidden + (a.fp8() && a.has_gate ? 0 : align256(M * I * (a.fp8() ? 4 : e)));
   l.hidden_scales = l.hidden_q + (a.fp8() ? align256(M * I) : 0);
   l.y = l.hidden_scales + (a.fp8() ? align256((I / 128) * M * 4) : 0);
   const auto T = static_cast<std::size_t>(a.tokens);
@@ -306,7 +308,8 @@ struct GemmProjection {
   bool interleaved = false;
   int64_t outputs = 0;  // columns of out
   void* out = nullptr;
-  bool weighted = false;  // store_rows multiplies each row by its pair's routing weight
+  float* out_scales = nullptr;  // gated_quantized: the codes' scales [outputs / 128, rows of the layout]
+  bool weighted = false;        // store_rows multiplies each row by its pair's routing weight
   // The masked layout (hopper::GemmParams): rows per group and each group's own rows.
   const int32_t* masked_m = nullptr;
   int64_t masked_rows = 0;
@@ -328,6 +331,8 @@ void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int
   p.interleaved = j.interleaved;
   p.outputs = j.outputs;
   p.out = j.out;
+  p.out_scales = j.out_scales;
+  p.out_scale_rows = M;
   p.b_scales = j.weight_scales;
   p.b_scale_rows = (N + 127) / 128;
   p.masked_m = j.masked_m;
@@ -368,6 +373,8 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
         a, r, pair_padded_row, padded_pair, rows, row_scales, x_q, x_scales, M);
     MOEKIT_CUDA_CHECK_LAUNCH();
 
+    // FP8 gated: the first projection writes the intermediate's e4m3 codes and scales itself.
+    const bool quantized_up = kFp8 && a.has_gate;
     const GemmProjection up{.rows = rows,
                             .row_scales = row_scales,
                             .depth = a.hidden,
@@ -377,22 +384,26 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
                             .parts = a.has_gate ? 2 : 1,
                             .interleaved = a.has_gate && !a.concatenated,
                             .outputs = a.intermediate,
-                            .out = hidden};
+                            .out = quantized_up ? static_cast<void*>(hidden_q) : hidden,
+                            .out_scales = quantized_up ? hidden_scales : nullptr};
     auto launch_up = [&]<Epilogue kEpi>() {
       if constexpr (!kFp8)
         if (gather) return run_projection<T, kEpi, true, false>(a, r.tile_offsets, padded_pair, max_tiles, up, stream);
       run_projection<T, kEpi, false, kFp8>(a, r.tile_offsets, padded_pair, max_tiles, up, stream);
     };
-    if (a.has_gate)
-      launch_up.template operator()<Epilogue::gated_activation>();
-    else
+    if (!a.has_gate)
       launch_up.template operator()<Epilogue::activation>();
+    else if constexpr (kFp8)
+      launch_up.template operator()<Epilogue::gated_quantized>();
+    else
+      launch_up.template operator()<Epilogue::gated_activation>();
 
     const void* down_rows = hidden;
     const float* down_scales = nullptr;
     if constexpr (kFp8) {
-      quantize_rows(static_cast<const float*>(hidden), a.intermediate, M, r.tile_offsets, a.experts, a.ue8m0_scales,
-                    hidden_q, hidden_scales, M, stream);
+      if (!quantized_up)
+        quantize_rows(static_cast<const float*>(hidden), a.intermediate, M, r.tile_offsets, a.experts, a.ue8m0_scales,
+                      hidden_q, hidden_scales, M, stream);
       down_rows = hidden_q;
       down_scales = hidden_scales;
     }

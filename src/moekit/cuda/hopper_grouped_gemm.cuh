@@ -44,6 +44,7 @@
 #include "moekit/cuda/device_math.cuh"
 #include "moekit/cuda/fp8_math.cuh"
 #include "moekit/cuda/routing.cuh"
+#include "moekit/cuda/scale_division.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MOEKIT_SM90A_DEVICE 1
@@ -147,7 +148,14 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t bar, uint32_t rank)
   return mapped;
 }
 
-enum class Epilogue : uint8_t { gated_activation, activation, store_rows };
+// gated_quantized: FP8's gated first projection quantised in its epilogue (quantized_gated_epilogue).
+enum class Epilogue : uint8_t { gated_activation, gated_quantized, activation, store_rows };
+template <Epilogue kEpi>
+constexpr bool kGated = kEpi == Epilogue::gated_activation || kEpi == Epilogue::gated_quantized;
+// Tiles a block takes one after the other as one unit of work: gated_quantized's two tiles make one 128-wide
+// group of the intermediate.
+template <Epilogue kEpi>
+constexpr int kUnitTiles = kEpi == Epilogue::gated_quantized ? 2 : 1;
 
 struct GemmParams {
   ExpertsArgs a;                          // sizes, activation, biases
@@ -164,6 +172,10 @@ struct GemmParams {
   // FP8: the weights' block scales [E, b_scale_rows, k_blocks] (f32, or ue8m0 with a.ue8m0_scales).
   const void* b_scales = nullptr;
   int64_t b_scale_rows = 0;
+  // gated_quantized: out holds e4m3 codes [rows, outputs] and out_scales their scales [outputs / 128,
+  // out_scale_rows], as quantize_rows writes them.
+  float* out_scales = nullptr;
+  int64_t out_scale_rows = 0;
   // The masked layout (DeepGEMM's, for decode): group g's rows start at row g * masked_rows (a multiple
   // of 128) and the first masked_m[g] of them are its own; tile_offsets then count each group's tiles of
   // those rows (masked_tile_offsets). Null: the contiguous layout, a tile's rows start at 128 * its index.
@@ -188,7 +200,7 @@ template <int kCols>
 constexpr int kStagedBytes = 64 * kStagedPitch<kCols>;
 // Output columns of a tile: the gated epilogue pairs gate and up columns.
 template <int BN, Epilogue kEpi>
-constexpr int kOutCols = kEpi == Epilogue::gated_activation ? BN / 2 : BN;
+constexpr int kOutCols = kGated<kEpi> ? BN / 2 : BN;
 // Epilogues with 2-byte outputs stage their rows: the second projection (FP8 and bf16/f16) and the bf16/f16
 // gated first projection. Measured (GEMM alone, m 512): FP8 DeepSeek-V3 down 697 -> 761-784 TFLOP/s, Qwen3
 // down 418 -> 523; bf16 Qwen3 down 234 -> 200 us. FP8's first projection writes float rows, twice the bytes,
@@ -197,8 +209,13 @@ template <bool kFp8, Epilogue kEpi>
 constexpr bool staged_epilogue() {
   return kEpi == Epilogue::store_rows || (!kFp8 && kEpi == Epilogue::gated_activation);
 }
+// gated_quantized: each math warpgroup keeps the first tile's activated values (BN / 4 a thread) until the second.
+template <int BN>
+constexpr int kStashBytes = BN / 4 * 128 * 4;
+// Shared memory of the epilogues: the staging buffers, or gated_quantized's stashes.
 template <int BN, bool kFp8, Epilogue kEpi>
 constexpr int staged_epilogue_bytes() {
+  if (kEpi == Epilogue::gated_quantized) return kMathGroups * kStashBytes<BN>;
   return staged_epilogue<kFp8, kEpi>() ? kMathGroups * kStagedBytes<kOutCols<BN, kEpi>> : 0;
 }
 // The dynamic shared memory a block may use, and what a pipeline of kStages takes: the stages (their base is
@@ -365,6 +382,86 @@ __device__ __forceinline__ float2 bias_pair(uint32_t b) {
   return make_float2(to_f(T{static_cast<uint16_t>(b & 0xffffu)}), to_f(T{static_cast<uint16_t>(b >> 16)}));
 }
 
+// act(gate) * up of accumulator pair i (< BN / 4) of a gated tile: columns j and j + 1 of the intermediate, with
+// the biases (bias: the expert's [2I] gate/up biases, or null).
+template <typename T, int BN>
+__device__ __forceinline__ float2 gated_pair(const ExpertsArgs& a, const float* acc, const T* bias, bool is_silu,
+                                             int64_t j, int i) {
+  constexpr int kHalf = BN / 4;  // accumulator index of the up column paired with a gate column
+  float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + kHalf], u1 = acc[i + 1 + kHalf];
+  if (bias) {
+    g0 += to_f(bias[gate_col(a, j)]), g1 += to_f(bias[gate_col(a, j + 1)]);
+    u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
+  }
+  // SiLU, the common case, inline (activate's arithmetic); the others through the call.
+  return is_silu ? make_float2(silu(g0) * u0, silu(g1) * u1)
+                 : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
+}
+
+// FP8's gated first projection quantised in its epilogue (Epilogue::gated_quantized), in place of float rows
+// and a pass of quantize_rows over them. A unit is the two tiles (n blocks 2g and 2g + 1) whose 64 + 64 outputs
+// make the intermediate's 128-wide group g. After the first, each thread keeps its activated values in
+// `stash` (value v of thread t at [v][t]: no bank conflicts, and no barrier, since each thread reads only
+// its own); after the second, a quad holds a row's 128 values, so two shuffles give the row's largest
+// magnitude, and each value becomes the e4m3 code of value / scale: bit for bit what quantize_rows writes
+// from the float rows (the same activated floats, scale and rounding).
+template <typename T, int BN>
+__device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, const float* acc, int64_t expert,
+                                                         int64_t tile_row, int n_block, int math, float* stash) {
+  constexpr int kHalf = BN / 4;
+  const ExpertsArgs& a = p.a;
+  const int thread = threadIdx.x % 128, warp = thread / 32, lane = threadIdx.x % 32;
+  const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * 2 * a.intermediate : nullptr;
+  const bool is_silu = a.act == Act::silu;
+  const int64_t col_base = int64_t{n_block} * (BN / 2);
+  float h[kHalf];
+#pragma unroll
+  for (int i = 0; i < kHalf; i += 2) {
+    const float2 v = gated_pair<T, BN>(a, acc, bias, is_silu, col_base + acc_col(lane, i), i);
+    h[i] = v.x, h[i + 1] = v.y;
+  }
+  if (n_block % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) stash[i * 128 + thread] = h[i];
+    return;
+  }
+  float first[kHalf];
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) first[i] = stash[i * 128 + thread];
+  float amax[2] = {0.0f, 0.0f};  // rows r and r + 8 of the thread
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fmaxf(fabsf(first[i]), fabsf(h[i])));
+  float scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int offset = 1; offset < 4; offset *= 2)
+      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], offset));
+    scale[r] = activation_scale(amax[r], a.ue8m0_scales);
+  }
+  const float reciprocal[2] = {scale_reciprocal(scale[0]), scale_reciprocal(scale[1])};
+  // Two codes in one conversion (round to nearest even, saturating: what e4m3_value rounds to), .x in the low
+  // byte, of the quotients rounded as quantize_rows' divisions round them.
+  auto codes2 = [&](float v0, float v1, int r) {
+    const float2 q =
+        make_float2(divide_by_scale(v0, scale[r], reciprocal[r]), divide_by_scale(v1, scale[r], reciprocal[r]));
+    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
+  };
+  const int64_t group = n_block / 2, row_base = tile_row + math * 64;
+  auto* codes = static_cast<uint8_t*>(p.out);
+#pragma unroll
+  for (int i = 0; i < kHalf; i += 2) {
+    const int r = (i >> 1) & 1;
+    const int64_t row = row_base + acc_row(warp, lane, i), col = group * 128 + acc_col(lane, i);
+    *reinterpret_cast<uint16_t*>(codes + row * p.outputs + col) = codes2(first[i], first[i + 1], r);
+    *reinterpret_cast<uint16_t*>(codes + row * p.outputs + col + 64) = codes2(h[i], h[i + 1], r);
+  }
+  if (lane % 4 == 0)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      p.out_scales[group * p.out_scale_rows + row_base + acc_row(warp, lane, 2 * r)] = scale[r];
+}
+
 // The epilogue of one warpgroup's 64 rows: into out, or (kStaged) into its staging buffer
 // `staged`, whose rows copy_staged then stores.
 template <typename T, typename O, int BN, Epilogue kEpi, bool kStaged = false>
@@ -376,7 +473,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
   const int64_t row_base = tile_row + math * 64;
   constexpr bool kPacked = !std::is_same_v<O, float>;  // 2-byte outputs go through store_group_pair
   if constexpr (kEpi == Epilogue::gated_activation) {
-    constexpr int kHalf = BN / 4;  // accumulator index of the up column paired with a gate column
+    constexpr int kHalf = BN / 4;
     const int64_t N = 2 * a.intermediate;
     const int64_t col_base = int64_t{n_block} * (BN / 2);
     const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * N : nullptr;
@@ -388,14 +485,8 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
       for (int k = 0; k < 4; ++k) {
         const int i = 8 * m + 2 * k;
         const int64_t j = col_base + acc_col(lane, i);
-        float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + kHalf], u1 = acc[i + 1 + kHalf];
-        if (bias && j < p.outputs) {  // outputs is a multiple of 8, so j + 1 is inside too
-          g0 += to_f(bias[gate_col(a, j)]), g1 += to_f(bias[gate_col(a, j + 1)]);
-          u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
-        }
-        // SiLU, the common case, inline (activate's arithmetic); the others through the call.
-        const float2 h = is_silu ? make_float2(silu(g0) * u0, silu(g1) * u1)
-                                 : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
+        // outputs is a multiple of 8, so j + 1 is inside when j is
+        const float2 h = gated_pair<T, BN>(a, acc, j < p.outputs ? bias : nullptr, is_silu, j, i);
         if constexpr (kStaged)
           stage_pair<O, BN / 2>(staged, acc_row(warp, lane, i), acc_col(lane, i), h);
         else if constexpr (kPacked)
@@ -485,6 +576,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   static_assert(kCluster == 1 || kCluster == 2);
   static_assert(!(kGatherA && kFp8), "the gathering producer copies 2-byte rows");
+  static_assert(kEpi != Epilogue::gated_quantized || (kFp8 && BN == 128), "gated_quantized: FP8 tiles of 64 outputs");
   using In = std::conditional_t<kFp8, f8_e4m3, T>;  // operand type
   using Out = std::conditional_t<kFp8 && kEpi != Epilogue::store_rows, float, T>;
   constexpr int kHalfRows = BN / 2;  // the weight tile is copied as two halves (gated: gate rows, up rows)
@@ -522,6 +614,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t m_tiles = p.tile_offsets[experts];
   const int64_t units = (m_tiles + kCluster - 1) / kCluster * p.n_blocks;
   const int64_t first_unit = blockIdx.x / kCluster, unit_step = gridDim.x / kCluster;
+  // The next tile a block takes: the next of its unit's kUnitTiles, or the first of its next unit.
+  auto advance = [&](int64_t unit) {
+    constexpr int kTiles = kUnitTiles<kEpi>;
+    return unit % kTiles != kTiles - 1 ? unit + 1 : unit + 1 + (unit_step - 1) * kTiles;
+  };
   // This block's row tile and expert in a unit, and whether the pair shares its weight tile. A block
   // walks its units in order, so the row tiles only grow: `hint`, the expert of the pair's first tile
   // last time, makes the lookup one or two loads.
@@ -583,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       int64_t hint = 0;
-      for (int64_t unit = first_unit; unit < units; unit += unit_step) {
+      for (int64_t unit = first_unit * kUnitTiles<kEpi>; unit < units; unit = advance(unit)) {
         const Tile t = tile_of(unit, hint);
         int32_t token[kGatherA ? 8 : 1];
         if constexpr (kGatherA) {
@@ -622,8 +719,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           // Half h of the weight tile: gated, the gate (h = 0) or up (h = 1) rows of the block's columns;
           // otherwise rows h * 128 onwards of its 256.
           auto copy_half = [&](int h, bool multicast) {
-            const int n = kEpi == Epilogue::gated_activation ? t.n_block * kHalfRows : t.n_block * BN + h * kHalfRows;
-            const int part = kEpi == Epilogue::gated_activation ? h : 0;
+            const int n = kGated<kEpi> ? t.n_block * kHalfRows : t.n_block * BN + h * kHalfRows;
+            const int part = kGated<kEpi> ? h : 0;
             const int c1 = p.interleaved ? part : n, c2 = p.interleaved ? n : part;
             uint8_t* dst = sb + h * kHalfBytes;
             if (multicast)
@@ -648,7 +745,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int m = 0; m < kMathGroups; ++m) named_arrive(5 + m, 128 + kCopyThreads);  // both buffers free
         int64_t hint = 0;
-        for (int64_t unit = first_unit; unit < units; unit += unit_step) {
+        for (int64_t unit = first_unit * kUnitTiles<kEpi>; unit < units; unit = advance(unit)) {
           const Tile t = tile_of(unit, hint);
           if (!t.valid) continue;
           const int64_t col_base = int64_t{t.n_block} * kCols;
@@ -694,7 +791,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t row_scales0 =
         cute::cast_smem_ptr_to_uint(smem + kScaleOffset) + 4 * (math * 64 + acc_row(warp, lane, 0));
     int64_t hint = 0;
-    for (int64_t unit = first_unit; unit < units; unit += unit_step) {
+    for (int64_t unit = first_unit * kUnitTiles<kEpi>; unit < units; unit = advance(unit)) {
       const Tile t = tile_of(unit, hint);
       float weight[2] = {1.0f, 1.0f};
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
@@ -704,7 +801,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           int64_t first;  // the half's first weight row
-          if (kEpi == Epilogue::gated_activation)
+          if (kGated<kEpi>)
             first = p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows
                                   : h * p.a.intermediate + int64_t{t.n_block} * kHalfRows;
           else
@@ -814,7 +911,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (previous >= 0) release(previous);
       }
       if (t.valid && !idle) {
-        if constexpr (kStaged) {
+        if constexpr (kEpi == Epilogue::gated_quantized) {
+          quantized_gated_epilogue<T, BN>(p, acc, t.expert, t.row, t.n_block, math,
+                                          reinterpret_cast<float*>(staged + math * kStashBytes<BN>));
+        } else if constexpr (kStaged) {
           named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's rows
           store_epilogue<T, Out, BN, kEpi, true>(p, acc, weight, t.expert, t.row, t.n_block, math,
                                                  staged + math * kStagedBytes<kCols>);
