@@ -6,6 +6,7 @@
 #include <cfloat>
 
 #include "moekit/cuda/device_math.cuh"
+#include "moekit/cuda/scale_division.h"
 
 namespace moekit::cuda {
 
@@ -42,9 +43,9 @@ __device__ __forceinline__ float quantize_group_lanes(float (&v)[4], bool power_
   for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const float scale = activation_scale(amax, power_of_two);
+  const float scale = activation_scale(amax, power_of_two), reciprocal = scale_reciprocal(scale);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = e4m3_value(__fdiv_rn(v[i], scale));
+  for (int i = 0; i < 4; ++i) v[i] = e4m3_value(divide_by_scale(v[i], scale, reciprocal));
   return scale;
 }
 
