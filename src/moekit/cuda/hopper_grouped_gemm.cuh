@@ -203,8 +203,9 @@ template <int BN, Epilogue kEpi>
 constexpr int kOutCols = kGated<kEpi> ? BN / 2 : BN;
 // Epilogues with 2-byte outputs stage their rows: the second projection (FP8 and bf16/f16) and the bf16/f16
 // gated first projection. Measured (GEMM alone, m 512): FP8 DeepSeek-V3 down 697 -> 761-784 TFLOP/s, Qwen3
-// down 418 -> 523; bf16 Qwen3 down 234 -> 200 us. FP8's first projection writes float rows, twice the bytes,
-// and staged them slower (814 -> 732-736); the ungated activation epilogue is not staged.
+// down 418 -> 523; bf16 Qwen3 down 234 -> 200 us. FP8's first projection wrote float rows, twice the bytes,
+// and staged them slower (814 -> 732-736); gated, it now writes e4m3 codes (gated_quantized), and the ungated
+// activation epilogue is not staged.
 template <bool kFp8, Epilogue kEpi>
 constexpr bool staged_epilogue() {
   return kEpi == Epilogue::store_rows || (!kFp8 && kEpi == Epilogue::gated_activation);
