@@ -25,6 +25,9 @@ struct GemmCase {
   DType scale_dtype;  // FP8 weight scales
   GroupedGemmEpilogue epilogue;
   bool masked = false;  // the masked layout [G, max_m, K] instead of the contiguous one
+  // FP8 gated: gated_silu_e4m3 on the same operands too, whose codes and scales must be bit for bit what
+  // quantize_activations makes of gated_silu's f32 rows.
+  bool also_e4m3 = false;
 };
 
 class HopperGroupedGemmCuda : public ::testing::TestWithParam<GemmCase> {};
@@ -141,6 +144,38 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
       EXPECT_LE(std::sqrt(err / norm), tolerance) << "group " << g << " row " << r << " (padded row " << row << ")";
     }
   }
+  if (!c.also_e4m3) return;
+
+  GroupedGemmProblem pq = p;
+  pq.epilogue = GroupedGemmEpilogue::gated_silu_e4m3;
+  ASSERT_TRUE(hopper_grouped_gemm_supports(pq).ok) << hopper_grouped_gemm_supports(pq).reason;
+  ASSERT_EQ(grouped_gemm_out_shape(pq), grouped_gemm_out_shape(p));
+  Tensor codes = Tensor::empty(grouped_gemm_out_shape(pq), grouped_gemm_out_dtype(pq), gpu);
+  Tensor scales = Tensor::empty(grouped_gemm_out_scales_shape(pq), DType::f32, gpu);
+  codes.fill_bytes(0x7F);   // e4m3 NaN, which no finite row quantises to
+  scales.fill_bytes(0xFF);  // NaN
+  hopper_grouped_gemm(pq, codes, scales, stream.stream());
+  stream.synchronize();
+  const Tensor got_codes = codes.to(Device::cpu()), got_scales = scales.to(Device::cpu());
+  const int64_t blocks = outputs / 128, scale_rows = got_scales.size(1);
+  ASSERT_EQ(scale_rows, M);
+  std::vector<float> values(static_cast<std::size_t>(outputs)), want_scales(static_cast<std::size_t>(blocks));
+  std::vector<f8_e4m3> want_codes(static_cast<std::size_t>(outputs));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t r = 0; r < own_rows(g); ++r) {
+      const int64_t row = first_row(g) + r;
+      quantize_activations(got.data_as<float>() + row * outputs, outputs, c.scale_dtype == DType::ue8m0, values.data(),
+                           want_codes.data(), want_scales.data());
+      for (int64_t j = 0; j < outputs; ++j) {
+        const uint8_t have = got_codes.data_as<f8_e4m3>()[row * outputs + j].bits;
+        ASSERT_EQ(have, want_codes[static_cast<std::size_t>(j)].bits)
+            << "code " << j << " of group " << g << " row " << r << " (padded row " << row << ")";
+      }
+      for (int64_t b = 0; b < blocks; ++b)
+        ASSERT_EQ(got_scales.data_as<float>()[b * scale_rows + row], want_scales[static_cast<std::size_t>(b)])
+            << "scale " << b << " of group " << g << " row " << r << " (padded row " << row << ")";
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -149,11 +184,12 @@ INSTANTIATE_TEST_SUITE_P(
                       GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
                       GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
                       GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
-                      GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu},
+                      GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true},
                       GemmCase{"masked_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, true},
                       GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, true},
                       GemmCase{"masked_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, true},
-                      GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true}),
+                      GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true,
+                               true}),
     [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
 
 // The boundary checks answer before any work, with the reason (no GPU needed: a CPU tensor is refused
@@ -168,6 +204,19 @@ TEST(HopperGroupedGemm, RefusesTheCpuWithTheReason) {
   EXPECT_NE(s.reason.find("compute capability 9.0"), std::string::npos) << s.reason;
   Tensor out = Tensor::empty({128, 128}, DType::bf16);
   EXPECT_THROW(hopper_grouped_gemm(p, out, Stream{}), Error);
+}
+
+// gated_silu_e4m3 writes scales as well as codes: the call without out_scales says so, before any device check.
+TEST(HopperGroupedGemm, QuantizingEpilogueNeedsTheScalesOverload) {
+  GroupedGemmProblem p;
+  p.rows = Tensor::zeros({128, 128}, DType::f8_e4m3);
+  p.weights = Tensor::zeros({1, 256, 128}, DType::f8_e4m3);
+  p.tile_offsets = contiguous_tile_offsets({128});
+  p.epilogue = GroupedGemmEpilogue::gated_silu_e4m3;
+  EXPECT_EQ(grouped_gemm_out_dtype(p), DType::f8_e4m3);
+  EXPECT_EQ(grouped_gemm_out_scales_shape(p), (Shape{1, 128}));
+  Tensor out = Tensor::empty({128, 128}, DType::f8_e4m3);
+  EXPECT_TRUE(test::throws_error_with([&] { hopper_grouped_gemm(p, out, Stream{}); }, {"out_scales"}));
 }
 
 // A problem names its layout by exactly one of tile_offsets (contiguous) and masked_m (masked); the

@@ -23,8 +23,13 @@ namespace moekit {
 
 enum class GroupedGemmEpilogue : uint8_t {
   store,       // out [M, N] bf16: the products (deepgemm's second projection)
-  gated_silu,  // out [M, N / 2] = silu(gate) * up, weight rows [0, N/2) gate and [N/2, N) up (its first
-               // projection): bf16, or f32 with FP8 operands (the layer quantises that afterwards)
+  gated_silu,  // out [M, N / 2] = silu(gate) * up, weight rows [0, N/2) gate and [N/2, N) up: bf16, or f32
+               // with FP8 operands
+  // FP8 operands only: silu(gate) * up quantised as the FP8 layer's first projection does it (deepgemm):
+  // out [M, N / 2] f8_e4m3 codes and out_scales [N / 256, M] f32 (masked: M = G * max_m), one scale per row
+  // and 128-wide group of the outputs, bit for bit what quantize_activations makes of the f32 gated_silu
+  // output (power-of-two scales when the weight scales are ue8m0). Takes the overload with out_scales.
+  gated_silu_e4m3,
 };
 
 // rows [M, K] @ weights[g] [N, K]^T for the rows of each group g, on one CUDA device.
@@ -39,7 +44,8 @@ struct GroupedGemmProblem {
   Tensor weights;        // [G, N, K]
   Tensor weight_scales;  // FP8 only
   Tensor tile_offsets;   // [G + 1] i32: the first 128-row tile of each group, then the end (contiguous_tile_offsets)
-  Tensor masked_m;       // instead of tile_offsets, the masked layout: [G] i32, each group's own rows (clamped to [0, max_m])
+  Tensor
+      masked_m;  // instead of tile_offsets, the masked layout: [G] i32, each group's own rows (clamped to [0, max_m])
   GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::store;
 };
 
@@ -57,9 +63,14 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p);
 // [G, max_m, N] or [G, max_m, N / 2].
 Shape grouped_gemm_out_shape(const GroupedGemmProblem& p);
 DType grouped_gemm_out_dtype(const GroupedGemmProblem& p);
+// gated_silu_e4m3: the shape of out_scales, [N / 256, M] (f32).
+Shape grouped_gemm_out_scales_shape(const GroupedGemmProblem& p);
 
 // Queues the GEMM on the stream (no host synchronisation); throws with the reason when
 // hopper_grouped_gemm_supports refuses the problem or out has the wrong shape, dtype or device.
 void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Stream stream);
+// The same for every epilogue, with out_scales written by gated_silu_e4m3 (and required there; ignored, and
+// may be undefined, for the others).
+void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Tensor& out_scales, Stream stream);
 
 }  // namespace moekit

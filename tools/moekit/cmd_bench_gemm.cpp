@@ -296,14 +296,20 @@ void run(GemmBenchCommand& state) {
           GroupedGemmProblem p = make_problem(s, format, w, groups, m, o.masked, o.seed, device);
           for (const std::string& epilogue : o.epilogues) {
             if (epilogue == "gated" && projection != "gate_up") continue;  // a gated epilogue pairs gate and up rows
-            p.epilogue = epilogue == "gated" ? GroupedGemmEpilogue::gated_silu : GroupedGemmEpilogue::store;
+            // gated: the layer's first projection, which with FP8 writes e4m3 codes and their scales.
+            p.epilogue = epilogue != "gated" ? GroupedGemmEpilogue::store
+                         : format == "bf16"  ? GroupedGemmEpilogue::gated_silu
+                                             : GroupedGemmEpilogue::gated_silu_e4m3;
             if (const Support ok = hopper_grouped_gemm_supports(p); !ok) MOEKIT_FAIL("bench-gemm: ", ok.reason);
             Tensor out = Tensor::empty(grouped_gemm_out_shape(p), grouped_gemm_out_dtype(p), device);
+            Tensor out_scales;
+            if (p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3)
+              out_scales = Tensor::empty(grouped_gemm_out_scales_shape(p), DType::f32, device);
             // The flush queued ahead of the start event also hides the host's launch time from the events.
             auto run_once = [&] {
               if (flush_src.defined()) copy_into(flush_dst, flush_src, stream);
               timer.start();
-              hopper_grouped_gemm(p, out, stream.stream());
+              hopper_grouped_gemm(p, out, out_scales, stream.stream());
               timer.stop();
               return timer.elapsed_ms();
             };
@@ -367,7 +373,7 @@ void add_bench_gemm_command(CLI::App& app) {
       ->check(CLI::IsMember({"bf16", "fp8", "fp8-ue8m0"}));
   f.add("--epilogue", o.epilogues,
         "store = plain bf16 rows (what DeepGEMM's figures measure); gated = silu(gate) * up as the layer's first "
-        "projection stores it (gate_up only; f32 with FP8)")
+        "projection stores it (gate_up only; with FP8 as e4m3 codes and a scale per row and 128 outputs)")
       ->delimiter(',')
       ->check(CLI::IsMember({"store", "gated"}));
   f.add("--device", o.device, "cuda or cuda:N (a compute capability 9.0 GPU)");

@@ -39,6 +39,10 @@ std::string sizes(const Tensor& t) {
   return t.defined() ? t.describe() : std::string("undefined");
 }
 
+bool gated(const GroupedGemmProblem& p) {
+  return p.epilogue == GroupedGemmEpilogue::gated_silu || p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3;
+}
+
 }  // namespace
 
 Tensor contiguous_tile_offsets(const std::vector<int64_t>& rows_per_group) {
@@ -95,12 +99,17 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
                          sizes(p.tile_offsets));
   }
   if (M > INT32_MAX) return Support::no(who + ": more than 2^31 rows (" + std::to_string(M) + ")");
-  const bool gated = p.epilogue == GroupedGemmEpilogue::gated_silu;
+  if (p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3 && !q)
+    return Support::no(who +
+                       ": the gated_silu_e4m3 epilogue (the FP8 layer's first projection) takes f8_e4m3 rows "
+                       "and weights, got " +
+                       sizes(p.rows));
+  const bool is_gated = gated(p);
   // The copy engine reads whole 16-byte pieces of rows; FP8 runs in whole 128 x 128 scale blocks.
   const int64_t granule = q ? kScaleBlock : 8;
-  const int64_t outputs = gated ? N / 2 : N;
-  if (K % granule != 0 || N % granule != 0 || (gated && (N % 2 != 0 || outputs % granule != 0)))
-    return Support::no(who + ": K and N" + (gated ? " (and N / 2, gated)" : "") + " must be multiples of " +
+  const int64_t outputs = is_gated ? N / 2 : N;
+  if (K % granule != 0 || N % granule != 0 || (is_gated && (N % 2 != 0 || outputs % granule != 0)))
+    return Support::no(who + ": K and N" + (is_gated ? " (and N / 2, gated)" : "") + " must be multiples of " +
                        std::to_string(granule) + " with " + std::string(dtype_name(operand)) +
                        " operands, got K = " + std::to_string(K) + ", N = " + std::to_string(N));
   if (q) {
@@ -127,21 +136,42 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
 
 Shape grouped_gemm_out_shape(const GroupedGemmProblem& p) {
   const int64_t N = p.weights.size(1);
-  const int64_t outputs = p.epilogue == GroupedGemmEpilogue::gated_silu ? N / 2 : N;
+  const int64_t outputs = gated(p) ? N / 2 : N;
   if (masked(p)) return {p.rows.size(0), p.rows.size(1), outputs};
   return {p.rows.size(0), outputs};
 }
 
 DType grouped_gemm_out_dtype(const GroupedGemmProblem& p) {
+  if (p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3) return DType::f8_e4m3;
   return fp8(p) && p.epilogue == GroupedGemmEpilogue::gated_silu ? DType::f32 : DType::bf16;
 }
 
+Shape grouped_gemm_out_scales_shape(const GroupedGemmProblem& p) {
+  return {p.weights.size(1) / 2 / kScaleBlock, row_count(p)};
+}
+
 void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Stream stream) {
+  MOEKIT_CHECK(
+      p.epilogue != GroupedGemmEpilogue::gated_silu_e4m3, kWho,
+      ": the gated_silu_e4m3 epilogue writes scales too: call hopper_grouped_gemm(p, out, out_scales, stream)");
+  Tensor no_scales;
+  hopper_grouped_gemm(p, out, no_scales, stream);
+}
+
+void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Tensor& out_scales, Stream stream) {
   if (const Support s = hopper_grouped_gemm_supports(p); !s) MOEKIT_FAIL(s.reason);
   MOEKIT_CHECK(out.defined() && out.shape() == grouped_gemm_out_shape(p) && out.dtype() == grouped_gemm_out_dtype(p) &&
                    out.device() == p.rows.device() && out.is_contiguous() && aligned16(out),
                kWho, ": out must be a contiguous, 16-byte aligned ", dtype_name(grouped_gemm_out_dtype(p)), " ",
                shape_string(grouped_gemm_out_shape(p)), " on ", device_name(p.rows.device()), ", got ", sizes(out));
+  const bool quantized_out = p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3;
+  if (quantized_out)
+    MOEKIT_CHECK(out_scales.defined() && out_scales.shape() == grouped_gemm_out_scales_shape(p) &&
+                     out_scales.dtype() == DType::f32 && out_scales.device() == p.rows.device() &&
+                     out_scales.is_contiguous(),
+                 kWho, ": out_scales of the gated_silu_e4m3 epilogue must be a contiguous f32 ",
+                 shape_string(grouped_gemm_out_scales_shape(p)), " on ", device_name(p.rows.device()), ", got ",
+                 sizes(out_scales));
 #if MOEKIT_HAS_CUDA
   cuda::HopperGemmArgs g;
   g.groups = p.weights.size(0);
@@ -160,9 +190,11 @@ void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Stream stream
   g.row_scales = g.fp8 ? p.row_scales.data_as<float>() : nullptr;
   g.weights = p.weights.data();
   g.weight_scales = g.fp8 ? p.weight_scales.data() : nullptr;
-  g.epilogue = p.epilogue == GroupedGemmEpilogue::gated_silu ? cuda::HopperGemmEpilogue::gated_silu
-                                                             : cuda::HopperGemmEpilogue::store_rows;
+  g.epilogue = p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3 ? cuda::HopperGemmEpilogue::gated_silu_e4m3
+               : p.epilogue == GroupedGemmEpilogue::gated_silu    ? cuda::HopperGemmEpilogue::gated_silu
+                                                                  : cuda::HopperGemmEpilogue::store_rows;
   g.out = out.data();
+  g.out_scales = quantized_out ? out_scales.data_as<float>() : nullptr;
   cuda::hopper_grouped_gemm(g, backends::cuda_stream(stream));
 #else
   (void)stream;  // unreachable: the device check refuses every device in a build without CUDA

@@ -11,9 +11,11 @@
 namespace moekit::cuda {
 
 enum class HopperGemmEpilogue : uint8_t {
-  store_rows,  // out [M, N] bf16: the products as they are (deepgemm's second projection)
-  gated_silu,  // out [M, N / 2] = silu(gate) * up, weight rows [0, N/2) gate and [N/2, N) up (its first
-               // projection): bf16, or float with FP8 operands (the layer quantises that float afterwards)
+  store_rows,       // out [M, N] bf16: the products as they are (deepgemm's second projection)
+  gated_silu,       // out [M, N / 2] = silu(gate) * up, weight rows [0, N/2) gate and [N/2, N) up: bf16, or float
+                    // with FP8 operands
+  gated_silu_e4m3,  // FP8 only: the same as e4m3 codes [M, N / 2] and out_scales [N / 256, M] (deepgemm's first
+                    // projection, Epilogue::gated_quantized)
 };
 
 // rows [M, K] @ weights [G, N, K]^T -> out, rows grouped in DeepGEMM's contiguous layout (or its masked
@@ -32,6 +34,7 @@ struct HopperGemmArgs {
   const void* weight_scales = nullptr;    // FP8: [G, N / 128, K / 128], one per 128 x 128 block
   HopperGemmEpilogue epilogue = HopperGemmEpilogue::store_rows;
   void* out = nullptr;
+  float* out_scales = nullptr;  // gated_silu_e4m3: [N / 256, 128 * max_tiles]
   // The masked layout instead (DeepGEMM's, for decode): rows [G, max_m, K] and out [G, max_m, outputs],
   // group g's own rows the first masked_m[g] (clamped to [0, max_m]); max_m a multiple of 128,
   // max_tiles = G * max_m / 128, tile_offsets unused (made on the device from masked_m). Output rows past
