@@ -4,13 +4,6 @@
 #include "moekit/core/device_memory.h"
 
 namespace moekit::backends {
-namespace {
-
-bool aligned(const Tensor& t, uintptr_t bytes) {
-  return !t.defined() || (reinterpret_cast<uintptr_t>(t.data()) & (bytes - 1)) == 0;
-}
-
-}  // namespace
 
 Support hopper_cuda_device_support(Device device, const std::string& who) {
   if (Support s = cuda_device_support(device); !s) return s;
@@ -51,10 +44,7 @@ Support HopperBackend::supports(const ExpertsProblem& p) const {
     return Support::no(n + " runs FP8 experts in whole 128 x 128 scale blocks: hidden size " +
                        std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +
                        " must be multiples of 128");
-  for (const Tensor* t : {&p.hidden_states, &p.gate_up_proj, &p.down_proj})
-    if (!aligned(*t, 16)) return Support::no(n + " needs 16-byte aligned hidden states and weights");
-  if (p.config.has_bias && !(aligned(p.gate_up_proj_bias, 4) && aligned(p.down_proj_bias, 4)))
-    return Support::no(n + " reads biases two at a time: they must be 4-byte aligned");
+  if (const char* why = cuda::hopper_alignment_refusal(cuda_args(p))) return Support::no(n + " " + why);
   return Support::yes();
 }
 

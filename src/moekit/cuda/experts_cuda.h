@@ -70,8 +70,19 @@ void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a);
 void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
 // Whether the Hopper kernels run this problem on the current device (grouped_mm uses them there): bf16/f16,
-// untransposed, H and I multiples of 8 (FP8: of 128), never FP4.
+// untransposed, H and I multiples of 8 (FP8: of 128), never FP4, and no hopper_alignment_refusal.
 bool hopper_gemm_runs(const ExpertsArgs& a);
+// Why the Hopper kernels cannot read these operands where they are, or null: the copy engine reads 16-byte
+// aligned rows and the epilogues read biases two at a time. Host code without a device, so that deepgemm's
+// supports (which words its refusal with it) and hopper_gemm_runs (grouped_mm's choice) ask the same rule.
+inline const char* hopper_alignment_refusal(const ExpertsArgs& a) {
+  auto aligned = [](const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; };
+  if (!aligned(a.x, 16) || !aligned(a.up, 16) || !aligned(a.down, 16))
+    return "needs 16-byte aligned hidden states and weights";
+  if (!aligned(a.up_bias, 4) || !aligned(a.down_bias, 4))
+    return "reads biases two at a time: they must be 4-byte aligned";
+  return nullptr;
+}
 // Decode on the Hopper backends: with few pairs, about one per expert or fewer (bf16/f16: at most 128
 // pairs and one per expert; FP8: 256 and two), the layer is bound by reading the chosen experts' weights
 // and deepgemm and sonicmoe run batched_mm's weight-streaming kernels (with FP8, its tensor-core path)

@@ -45,11 +45,13 @@ using hopper::kBlockM;
 // the second projection's two 17 KB buffers).
 template <bool kFp8>
 constexpr int kTileN = kFp8 ? 128 : 256;
-template <bool kFp8, Epilogue kEpi>
-constexpr int kStages = hopper::fitting_stages<kTileN<kFp8>, kFp8, kEpi, kFp8 ? 6 : 4>();
-static_assert(kStages<false, Epilogue::gated_activation> == 4 && kStages<false, Epilogue::store_rows> == 3 &&
-              kStages<true, Epilogue::gated_activation> == 6 && kStages<true, Epilogue::gated_quantized> == 5 &&
-              kStages<true, Epilogue::store_rows> == 5);
+template <bool kFp8, Epilogue kEpi, bool kGatherA>
+constexpr int kStages = hopper::fitting_stages<kTileN<kFp8>, kFp8, kEpi, kGatherA, kFp8 ? 6 : 4>();
+static_assert(kStages<false, Epilogue::gated_activation, false> == 4 &&
+              kStages<false, Epilogue::store_rows, false> == 3 &&
+              kStages<false, Epilogue::gated_activation, true> == 4 &&
+              kStages<true, Epilogue::gated_activation, false> == 6 &&
+              kStages<true, Epilogue::gated_quantized, false> == 5 && kStages<true, Epilogue::store_rows, false> == 5);
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;
@@ -204,8 +206,9 @@ template <typename T, Epilogue kEpi, int kCluster, bool kGatherA, bool kFp8>
 void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
                     const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
   constexpr int BN = kTileN<kFp8>;
-  auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kStages<kFp8, kEpi>, kCluster, kGatherA, kFp8>;
-  constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kFp8, kEpi>(kStages<kFp8, kEpi>);
+  constexpr int kDepth = kStages<kFp8, kEpi, kGatherA>;
+  auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kDepth, kCluster, kGatherA, kFp8>;
+  constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kFp8, kEpi, kGatherA>(kDepth);
   static_assert(smem <= hopper::kSharedMemoryLimit, "the pipeline does not fit in shared memory");
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
@@ -442,12 +445,9 @@ void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stre
 }  // namespace
 
 bool hopper_gemm_runs(const ExpertsArgs& a) {
-  auto aligned = [](const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; };
   const int64_t granule = a.fp8() ? 128 : 8;  // FP8: whole scale blocks; otherwise 16-byte rows
-  // Biases (null when absent) are read two at a time by the epilogues.
   return !a.fp4() && (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && a.hidden % granule == 0 &&
-         a.intermediate % granule == 0 && aligned(a.x, 16) && aligned(a.up, 16) && aligned(a.down, 16) &&
-         aligned(a.up_bias, 4) && aligned(a.down_bias, 4) && device_is_sm90();
+         a.intermediate % granule == 0 && !hopper_alignment_refusal(a) && device_is_sm90();
 }
 
 bool hopper_decode_streams(const ExpertsArgs& a) {
@@ -475,7 +475,11 @@ void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 }
 
 void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
-  const bool gated = g.epilogue == HopperGemmEpilogue::gated_silu;
+  const bool quantized_out = g.epilogue == HopperGemmEpilogue::gated_silu_e4m3;
+  const bool gated = g.epilogue == HopperGemmEpilogue::gated_silu || quantized_out;
+  MOEKIT_CHECK(!quantized_out || (g.fp8 && g.out_scales),
+               "the Hopper grouped GEMM: gated_silu_e4m3 needs FP8 operands "
+               "and out_scales");
   // What the kernel reads of an experts call: the sizes its epilogues and scale lookups use, the
   // activation and the scale format; no biases, routing or gathered rows.
   ExpertsArgs a;
@@ -497,6 +501,7 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
                          .parts = parts,
                          .outputs = g.n / parts,
                          .out = g.out,
+                         .out_scales = g.out_scales,
                          .masked_m = g.masked_m,
                          .masked_rows = g.masked_m ? g.max_m : 0};
   // The masked layout: its tile offsets made here from masked_m, in stream-ordered memory (so the call
@@ -512,11 +517,14 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
     MOEKIT_CUDA_CHECK_LAUNCH();
   }
   const int32_t* tile_offsets = g.masked_m ? masked_offsets : g.tile_offsets;
-  // The same instantiations as the layer's: store_rows is its second projection, gated its first.
+  // The same instantiations as the layer's: store_rows is its second projection, gated (gated_quantized with
+  // FP8) its first.
   auto run = [&]<Epilogue kEpi, bool kFp8>() {
     run_projection<bf16, kEpi, false, kFp8>(a, tile_offsets, nullptr, g.max_tiles, j, stream);
   };
-  if (gated)
+  if (quantized_out)
+    run.template operator()<Epilogue::gated_quantized, true>();
+  else if (gated)
     g.fp8 ? run.template operator()<Epilogue::gated_activation, true>()
           : run.template operator()<Epilogue::gated_activation, false>();
   else

@@ -18,7 +18,8 @@
 // With weight_rows set, the store_rows epilogue multiplies each row by its pair's routing weight.
 // With masked_m set (the masked layout), a tile's rows start inside its group's block of rows.
 // kFp8 (deepgemm's FP8 experts): e4m3 operands with block scales, promoted per 128-deep block (see the
-// kernel); the first projection's epilogue then stores float, which a separate pass quantises.
+// kernel); the gated first projection's epilogue quantises its outputs into e4m3 codes and scales
+// (gated_quantized), the ungated one stores float, which a separate pass quantises.
 // Epilogues with 2-byte outputs (both projections in bf16/f16, FP8's second) write each warpgroup's rows to a
 // shared-memory buffer and go on to the next tile while warps 1-3 of the producer warpgroup copy them out
 // (staged_epilogue, named barriers 3-6); with kGatherA, and for FP8's float rows, the math warpgroups store
@@ -205,32 +206,33 @@ constexpr int kOutCols = kGated<kEpi> ? BN / 2 : BN;
 // gated first projection. Measured (GEMM alone, m 512): FP8 DeepSeek-V3 down 697 -> 761-784 TFLOP/s, Qwen3
 // down 418 -> 523; bf16 Qwen3 down 234 -> 200 us. FP8's first projection wrote float rows, twice the bytes,
 // and staged them slower (814 -> 732-736); gated, it now writes e4m3 codes (gated_quantized), and the ungated
-// activation epilogue is not staged.
-template <bool kFp8, Epilogue kEpi>
+// activation epilogue is not staged. Nor is any with kGatherA, whose producer warps all gather.
+template <bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr bool staged_epilogue() {
-  return kEpi == Epilogue::store_rows || (!kFp8 && kEpi == Epilogue::gated_activation);
+  return !kGatherA && (kEpi == Epilogue::store_rows || (!kFp8 && kEpi == Epilogue::gated_activation));
 }
 // gated_quantized: each math warpgroup keeps the first tile's activated values (BN / 4 a thread) until the second.
 template <int BN>
 constexpr int kStashBytes = BN / 4 * 128 * 4;
 // Shared memory of the epilogues: the staging buffers, or gated_quantized's stashes.
-template <int BN, bool kFp8, Epilogue kEpi>
+template <int BN, bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr int staged_epilogue_bytes() {
   if (kEpi == Epilogue::gated_quantized) return kMathGroups * kStashBytes<BN>;
-  return staged_epilogue<kFp8, kEpi>() ? kMathGroups * kStagedBytes<kOutCols<BN, kEpi>> : 0;
+  return staged_epilogue<kFp8, kEpi, kGatherA>() ? kMathGroups * kStagedBytes<kOutCols<BN, kEpi>> : 0;
 }
 // The dynamic shared memory a block may use, and what a pipeline of kStages takes: the stages (their base is
 // aligned to the swizzle atom's 1 KB by the declaration), the staging buffers and the full/empty barriers.
 constexpr std::size_t kSharedMemoryLimit = 227 * 1024;
-template <int BN, bool kFp8, Epilogue kEpi>
+template <int BN, bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr std::size_t gemm_smem_bytes(int stages) {
-  return static_cast<std::size_t>(stages) * (stage_bytes<BN, kFp8>() + 2 * 8) + staged_epilogue_bytes<BN, kFp8, kEpi>();
+  return static_cast<std::size_t>(stages) * (stage_bytes<BN, kFp8>() + 2 * 8) +
+         staged_epilogue_bytes<BN, kFp8, kEpi, kGatherA>();
 }
 // The deepest pipeline of at most kMax stages that fits beside the staging buffers.
-template <int BN, bool kFp8, Epilogue kEpi, int kMax>
+template <int BN, bool kFp8, Epilogue kEpi, bool kGatherA, int kMax>
 constexpr int fitting_stages() {
   int stages = kMax;
-  while (stages > 2 && gemm_smem_bytes<BN, kFp8, kEpi>(stages) > kSharedMemoryLimit) --stages;
+  while (stages > 2 && gemm_smem_bytes<BN, kFp8, kEpi, kGatherA>(stages) > kSharedMemoryLimit) --stages;
   return stages;
 }
 
@@ -590,11 +592,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Staged epilogues: the math warpgroups stage their finished rows for warps 1-3 of the producer warpgroup to
   // store, and go on to their next tile (FP8's second projection otherwise spent ~23% of its time there, with
   // the tensor cores idle).
-  // Not with kGatherA, whose producer warps all gather.
-  constexpr bool kStaged = staged_epilogue<kFp8, kEpi>() && !kGatherA;
+  constexpr bool kStaged = staged_epilogue<kFp8, kEpi, kGatherA>();
   if (threadIdx.x == 0 && cute::cast_smem_ptr_to_uint(smem) % 1024 != 0) __trap();  // never seen; guards the above
   uint8_t* staged = smem + kStages * kStageBytes;
-  auto* full = reinterpret_cast<uint64_t*>(staged + staged_epilogue_bytes<BN, kFp8, kEpi>());
+  auto* full = reinterpret_cast<uint64_t*>(staged + staged_epilogue_bytes<BN, kFp8, kEpi, kGatherA>());
   uint64_t* empty = full + kStages;
   if (threadIdx.x == 0) {
 #pragma unroll
