@@ -307,9 +307,9 @@ TEST(Fp4AsF16, PowersOfTwoAndTheActivationOrder) {
 }
 
 // The FP8 epilogue's division by an activation scale (amax / 448, at least FLT_MIN) must round as the division
-// does where it decides the e4m3 code: quantize_rows divides, and both write the same codes. Checked on amax
-// over the whole float range
-// (scales below kSmallestReciprocalScale take the division) and values of the row.
+// does where it decides the e4m3 code: quantize_rows divides, and both write the same codes, signed zeros
+// included (a -0 value has the code 0x80). Checked on amax over the whole float range (scales below
+// kSmallestReciprocalScale take the division) and values of the row, zeros of both signs among them.
 TEST(ScaleDivision, RoundsAsTheDivisionOnActivationScales) {
   std::mt19937_64 random(7);
   auto from_bits = [](uint32_t b) {
@@ -328,8 +328,9 @@ TEST(ScaleDivision, RoundsAsTheDivisionOnActivationScales) {
     const double unit = static_cast<double>(random() >> 11) * 0x1p-53 * 2.0 - 1.0;
     // A row's values: a fraction of amax, or any sign, exponent up to amax's and mantissa (subnormals too).
     const uint32_t bits = static_cast<uint32_t>(random());
-    const float value = i % 2 == 0 ? amax * static_cast<float>(unit)
-                                   : from_bits((bits & 0x807fffffu) | ((bits >> 8) % (exponent + 1)) << 23);
+    const float value = i % 16 == 5  ? from_bits(bits & 0x80000000u)  // +0 or -0
+                        : i % 2 == 0 ? amax * static_cast<float>(unit)
+                                     : from_bits((bits & 0x807fffffu) | ((bits >> 8) % (exponent + 1)) << 23);
     if (std::fabs(value) > amax) continue;
     const float reciprocal = cuda::scale_reciprocal(scale);
     const float quotient = value / scale, got = cuda::divide_by_scale(value, scale, reciprocal);
@@ -338,7 +339,7 @@ TEST(ScaleDivision, RoundsAsTheDivisionOnActivationScales) {
     // The code is what must agree; the quotients themselves do, except below 2^-10, where the residual may be
     // subnormal and both round to a zero code.
     if (from_float<f8_e4m3>(got).bits != from_float<f8_e4m3>(quotient).bits ||
-        (std::fabs(quotient) >= 0x1p-10f && got != quotient)) {
+        std::signbit(got) != std::signbit(quotient) || (std::fabs(quotient) >= 0x1p-10f && got != quotient)) {
       ADD_FAILURE() << std::hexfloat << value << " / " << scale << ": " << got << ", the division gives " << quotient;
       return;
     }
