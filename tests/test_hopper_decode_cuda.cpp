@@ -107,6 +107,33 @@ INSTANTIATE_TEST_SUITE_P(Cases, HopperDecodeCuda,
 // The Hopper epilogues read biases two at a time: a bias 2 bytes off a 4-byte boundary is refused by deepgemm with
 // the reason, and grouped_mm (which then leaves the Hopper GEMM for its portable kernels) still matches the
 // reference.
+// The alignment rule that deepgemm's supports words and grouped_mm's choice of kernels asks (host code: no GPU
+// needed): 16-byte aligned hidden states and weights, 4-byte aligned biases, absent biases allowed.
+TEST(HopperBiasAlignment, RefusalNamesTheRuleOfEachPointer) {
+  alignas(16) static uint8_t bytes[64];
+  cuda::ExpertsArgs a = sizes(4, 8, 2);
+  a.x = a.up = a.down = bytes;
+  EXPECT_EQ(cuda::hopper_alignment_refusal(a), nullptr);
+  a.up_bias = bytes + 4;
+  a.down_bias = bytes + 8;
+  EXPECT_EQ(cuda::hopper_alignment_refusal(a), nullptr);
+  for (const void** p : {&a.x, &a.up, &a.down}) {
+    *p = bytes + 8;
+    const char* why = cuda::hopper_alignment_refusal(a);
+    ASSERT_NE(why, nullptr);
+    EXPECT_NE(std::string(why).find("16-byte aligned hidden states and weights"), std::string::npos) << why;
+    *p = bytes;
+  }
+  for (const void** p : {&a.up_bias, &a.down_bias}) {
+    const void* was = *p;
+    *p = bytes + 2;
+    const char* why = cuda::hopper_alignment_refusal(a);
+    ASSERT_NE(why, nullptr);
+    EXPECT_NE(std::string(why).find("4-byte aligned"), std::string::npos) << why;
+    *p = was;
+  }
+}
+
 TEST(HopperBiasAlignment, MisalignedBiasRefusedByDeepgemmAndRunByGroupedMm) {
   if (auto why = no_hopper()) GTEST_SKIP() << *why;
   RandomProblemOptions o;
