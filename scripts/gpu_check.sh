@@ -28,7 +28,8 @@
 # of the medians (ab.log). Noise between leases is larger than many changes: compare only within one.
 # AB_VARIANTS (';'-separated VAR=value) adds sides: the new binary under each assignment; AB_GEMM=0 skips bench-gemm.
 # AB_BASELINE_ENV (VAR=value) runs the baseline side under that assignment (a baseline binary with a switch).
-# ab_raw.log (under $OUT) is written as the sides run, so a run cut short still leaves its times there.
+# ab_raw.log (under $OUT) is written as the sides run, so a run cut short still leaves its times there;
+# clocks.log holds the SM clock and power sampled meanwhile, summarised at the end of ab.log.
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -156,6 +157,11 @@ if [[ $what == ab ]]; then
   # Sides: the baseline, the new binary, and the new binary under each of AB_VARIANTS (';'-separated
   # environment assignments such as MOEKIT_X=1, for switches kept in a tree while it is measured).
   IFS=';' read -ra variants <<<"${AB_VARIANTS:-}"
+  # The SM clock and the power while the sides run, sampled every 200 ms (clocks.log): sustained FP8 work may
+  # run below the clock that Nsight Compute's one-kernel replays see (session 17: DeepSeek-V3 16,384 FP8's
+  # kernels summed to 14.3 ms under ncu, the layer timed 15.8-16.1 ms).
+  nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 200 >"$out/clocks.log" 2>/dev/null &
+  sampler=$!
   for _ in $(seq "${AB_ROUNDS:-2}"); do
     for side in baseline new "${variants[@]}"; do
       bin=./gpu-bundle/moekit
@@ -201,6 +207,22 @@ for key, v in times.items():
     print(row)
 print("(gemm: microseconds; bench cases: ms; b/side > 1: that side is faster than the baseline)")
 ' | tee "$out/ab.log"
+  kill "$sampler" 2>/dev/null
+  python3 - "$out/clocks.log" <<'PY' | tee -a "$out/ab.log"
+import statistics, sys
+rows = []
+for line in open(sys.argv[1]):
+    try:
+        clock, power = (float(x) for x in line.split(","))
+    except ValueError:
+        continue
+    rows.append((clock, power))
+if rows:
+    clocks, powers = [r[0] for r in rows], [r[1] for r in rows]
+    print("while timing ({} samples): SM clock min {:.0f} / median {:.0f} / max {:.0f} MHz, power median {:.0f} / "
+          "max {:.0f} W".format(len(rows), min(clocks), statistics.median(clocks), max(clocks),
+                                statistics.median(powers), max(powers)))
+PY
 fi
 if [[ $what == sass || $what == all ]]; then
   cuobjdump -res-usage gpu-bundle/moekit 2>/dev/null | grep -A1 -E "hopper|tensor_core" | grep -E "Function|REG" |
