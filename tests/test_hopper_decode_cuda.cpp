@@ -104,9 +104,6 @@ INSTANTIATE_TEST_SUITE_P(Cases, HopperDecodeCuda,
                                            DecodeCase{"sonicmoe", false, 12, false}),
                          case_name);
 
-// The Hopper epilogues read biases two at a time: a bias 2 bytes off a 4-byte boundary is refused by deepgemm with
-// the reason, and grouped_mm (which then leaves the Hopper GEMM for its portable kernels) still matches the
-// reference.
 // The alignment rule that deepgemm's supports words and grouped_mm's choice of kernels asks (host code: no GPU
 // needed): 16-byte aligned hidden states and weights, 4-byte aligned biases, absent biases allowed.
 TEST(HopperBiasAlignment, RefusalNamesTheRuleOfEachPointer) {
@@ -134,6 +131,9 @@ TEST(HopperBiasAlignment, RefusalNamesTheRuleOfEachPointer) {
   }
 }
 
+// The Hopper epilogues read biases two at a time: a bias 2 bytes off a 4-byte boundary is refused by deepgemm with
+// the reason, and grouped_mm (which then leaves the Hopper GEMM for its portable kernels) still matches the
+// reference.
 TEST(HopperBiasAlignment, MisalignedBiasRefusedByDeepgemmAndRunByGroupedMm) {
   if (auto why = no_hopper()) GTEST_SKIP() << *why;
   RandomProblemOptions o;

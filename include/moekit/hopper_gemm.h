@@ -44,8 +44,8 @@ struct GroupedGemmProblem {
   Tensor weights;        // [G, N, K]
   Tensor weight_scales;  // FP8 only
   Tensor tile_offsets;   // [G + 1] i32: the first 128-row tile of each group, then the end (contiguous_tile_offsets)
-  Tensor
-      masked_m;  // instead of tile_offsets, the masked layout: [G] i32, each group's own rows (clamped to [0, max_m])
+  // Instead of tile_offsets, the masked layout: [G] i32, each group's own rows (clamped to [0, max_m]).
+  Tensor masked_m;
   GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::store;
 };
 

@@ -478,8 +478,7 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
   const bool quantized_out = g.epilogue == HopperGemmEpilogue::gated_silu_e4m3;
   const bool gated = g.epilogue == HopperGemmEpilogue::gated_silu || quantized_out;
   MOEKIT_CHECK(!quantized_out || (g.fp8 && g.out_scales),
-               "the Hopper grouped GEMM: gated_silu_e4m3 needs FP8 operands "
-               "and out_scales");
+               "the Hopper grouped GEMM: gated_silu_e4m3 needs FP8 operands and out_scales");
   // What the kernel reads of an experts call: the sizes its epilogues and scale lookups use, the
   // activation and the scale format; no biases, routing or gathered rows.
   ExpertsArgs a;
