@@ -68,8 +68,7 @@ enum class Variant : uint8_t { deepgemm, sonicmoe };
 struct Layout {
   // rows: the placed token rows (deepgemm; e4m3 with FP8), row_scales: their FP8 scales [H / 128, M];
   // hidden: the intermediate (T, or float with FP8); hidden_q / hidden_scales: its e4m3 copy (FP8);
-  // x_q / x_scales: each token's hidden state quantised once (FP8 deepgemm), [T, H] and [H / 128, T].
-  std::size_t pair_row, padded_pair, rows, row_scales, hidden, hidden_q, hidden_scales, y, x_q, x_scales, total;
+  std::size_t pair_row, padded_pair, rows, row_scales, hidden, hidden_q, hidden_scales, y, total;
 };
 
 Layout layout(const ExpertsArgs& a, Variant v) {
@@ -87,11 +86,7 @@ Layout layout(const ExpertsArgs& a, Variant v) {
   l.hidden_q = l.hidden + (a.fp8() && a.has_gate ? 0 : align256(M * I * (a.fp8() ? 4 : e)));
   l.hidden_scales = l.hidden_q + (a.fp8() ? align256(M * I) : 0);
   l.y = l.hidden_scales + (a.fp8() ? align256((I / 128) * M * 4) : 0);
-  const auto T = static_cast<std::size_t>(a.tokens);
-  const bool quantized_rows = a.fp8() && v == Variant::deepgemm;
-  l.x_q = l.y + align256(M * H * e);
-  l.x_scales = l.x_q + (quantized_rows ? align256(T * H) : 0);
-  l.total = l.x_scales + (quantized_rows ? align256((H / 128) * T * 4) : 0);
+  l.total = l.y + align256(M * H * e);
   return l;
 }
 
@@ -141,36 +136,86 @@ void quantize_rows(const S* v, int64_t width, int64_t rows, const int32_t* tile_
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
-// One block per sorted row: records the pair's padded row (and the padded row's pair). deepgemm also
-// copies the token's row into its padded row, 16 bytes a thread: the hidden state (bf16/f16), or with
-// FP8 its codes (each token quantised once by quantize_rows) and their scales (K-block-major, [H / 128, M]).
-__global__ void place_rows_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row,
-                                  int32_t* padded_pair, void* rows, float* row_scales, const uint8_t* x_q,
-                                  const float* x_scales, int64_t M) {
-  const int64_t P = a.tokens * a.top_k;
-  const int32_t valid = r.offsets[a.experts];
-  for (int64_t row = blockIdx.x; row < P; row += gridDim.x) {
-    const int32_t pair = r.row_pair[row];
-    if (row >= valid) {  // a sentinel or invalid id: no row, nothing to add
-      if (threadIdx.x == 0) pair_padded_row[pair] = -1;
-      continue;
+// Where each pair lands in the padded layout, and (deepgemm) its row there, a token at a time: records each
+// of the token's pairs' padded row (pair_padded_row, -1 for a sentinel or invalid id, and padded_pair of that
+// row), then writes the token's row, read once, into all of its padded rows: the bf16/f16 hidden state, or
+// with FP8 its e4m3 codes and scales (K-block-major, [H / 128, M]), quantised here as quantize_activations
+// does. grid.x strides over the tokens; grid.y splits a row into pieces of a block each: 256 16-byte pieces,
+// or (FP8) 8 groups of 128, a warp each. Reading each token once, not once per pair, and no quantised copy
+// of x in between: DeepSeek-V3 at 16,384 tokens read x (235 MB) 8 times.
+template <typename S, bool kFp8>
+__global__ void __launch_bounds__(256)
+    place_tokens_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, int32_t* padded_pair,
+                        void* rows, float* row_scales, int64_t M) {
+  constexpr int kPairsAtOnce = 32;
+  __shared__ int64_t padded[kPairsAtOnce];
+  const int64_t K = a.top_k;
+  const int lane = threadIdx.x % 32;
+  const int64_t group = int64_t{blockIdx.y} * (blockDim.x / 32) + threadIdx.x / 32;  // FP8
+  const int64_t piece = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;              // bf16/f16
+  const int64_t row_bytes = kFp8 ? a.hidden : a.hidden * int64_t{sizeof(S)};
+  // The padded row of pair `pair`, -1 for a sentinel or invalid id: its expert is its id (valid whenever the
+  // pair has a sorted row), so two rounds of loads, not a search of the expert offsets.
+  auto padded_of = [&](int64_t pair) -> int64_t {
+    const int32_t row = r.pair_row[pair];
+    const int64_t e = load_id(a, pair);  // loaded beside the row: out of range only where row < 0
+    if (row < 0) return -1;
+    return int64_t{r.tile_offsets[e]} * kBlockM + (row - r.offsets[e]);
+  };
+  for (int64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) {
+    // The first pairs' padded rows are requested before the token's row, so that the two wait together.
+    int64_t first = -1;
+    if (threadIdx.x < min(int64_t{kPairsAtOnce}, K)) first = padded_of(t * K + threadIdx.x);
+    // This thread's part of the token's row, as it is written to each padded row.
+    uint4 value{};
+    uint32_t codes = 0;
+    float scale = 0.0f;
+    bool mine = false;
+    if (rows) {
+      if constexpr (kFp8) {
+        mine = group < a.hidden / 128;
+        if (mine) {
+          const S* v = static_cast<const S*>(a.x) + t * a.hidden + group * 128 + lane * 4;
+          float x[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) x[i] = to_f(v[i]);
+          scale = quantize_group_lanes(x, a.ue8m0_scales);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
+            codes |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+        }
+      } else {
+        mine = piece < row_bytes / 16;
+        if (mine)
+          value = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.x) + t * row_bytes) + piece);
+      }
     }
-    const int64_t e = expert_of(r.offsets, a.experts, row);
-    const int64_t padded = int64_t{r.tile_offsets[e]} * kBlockM + (row - r.offsets[e]);
-    if (threadIdx.x == 0) {
-      pair_padded_row[pair] = static_cast<int32_t>(padded);
-      padded_pair[padded] = pair;
+    for (int64_t k0 = 0; k0 < K; k0 += kPairsAtOnce) {
+      const int64_t n = min(int64_t{kPairsAtOnce}, K - k0);
+      if (threadIdx.x < n) {
+        const int64_t pair = t * K + k0 + threadIdx.x;
+        const int64_t p = k0 == 0 ? first : padded_of(pair);
+        padded[threadIdx.x] = p;
+        if (blockIdx.y == 0) {
+          pair_padded_row[pair] = static_cast<int32_t>(p);
+          if (p >= 0) padded_pair[p] = static_cast<int32_t>(pair);
+        }
+      }
+      __syncthreads();
+      if (mine)
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t p = padded[j];
+          if (p < 0) continue;
+          uint8_t* dst = static_cast<uint8_t*>(rows) + p * row_bytes;
+          if constexpr (kFp8) {
+            reinterpret_cast<uint32_t*>(dst + group * 128)[lane] = codes;
+            if (lane == 0) row_scales[group * M + p] = scale;
+          } else {
+            reinterpret_cast<uint4*>(dst)[piece] = value;
+          }
+        }
+      __syncthreads();  // padded is rewritten next
     }
-    if (!rows) continue;
-    const int64_t token = pair / a.top_k;
-    const int64_t row_bytes = a.fp8() ? a.hidden : a.hidden * 2;  // H a multiple of 128 (FP8) or of 8
-    const auto* src = reinterpret_cast<const uint4*>(a.fp8() ? x_q + token * a.hidden
-                                                             : static_cast<const uint8_t*>(a.x) + token * row_bytes);
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint8_t*>(rows) + padded * row_bytes);
-    for (int64_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x) dst[v] = __ldg(src + v);
-    if (a.fp8())
-      for (int64_t g = threadIdx.x; g < a.hidden / 128; g += blockDim.x)
-        row_scales[g * M + padded] = x_scales[g * a.tokens + token];
   }
 }
 
@@ -367,13 +412,14 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
   void* y = base + l.y;
   if (P > 0) {
     MOEKIT_CUDA_CHECK(cudaMemsetAsync(padded_pair, 0xFF, static_cast<std::size_t>(M) * 4, stream));  // -1: padding
-    auto* x_q = reinterpret_cast<uint8_t*>(base + l.x_q);
-    auto* x_scales = reinterpret_cast<float*>(base + l.x_scales);
-    if (kFp8 && rows)  // each token once: place_rows_kernel copies its codes to its padded rows
-      quantize_rows(static_cast<const T*>(a.x), a.hidden, a.tokens, nullptr, 0, a.ue8m0_scales, x_q, x_scales, a.tokens,
-                    stream);
-    place_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 128, 0, stream>>>(
-        a, r, pair_padded_row, padded_pair, rows, row_scales, x_q, x_scales, M);
+    constexpr int kPlaceThreads = 256;
+    // A row in blocks: FP8 groups of 128 a warp, or 16-byte pieces a thread.
+    const int64_t per_row = kFp8 ? a.hidden / 128 : a.hidden * int64_t{sizeof(T)} / 16;
+    const int64_t per_block = kFp8 ? kPlaceThreads / 32 : kPlaceThreads;
+    const dim3 place_grid(static_cast<unsigned>(std::min<int64_t>(a.tokens, 65535)),
+                          static_cast<unsigned>(rows ? (per_row + per_block - 1) / per_block : 1));
+    place_tokens_kernel<T, kFp8>
+        <<<place_grid, kPlaceThreads, 0, stream>>>(a, r, pair_padded_row, padded_pair, rows, row_scales, M);
     MOEKIT_CUDA_CHECK_LAUNCH();
 
     // FP8 gated: the first projection writes the intermediate's e4m3 codes and scales itself.
