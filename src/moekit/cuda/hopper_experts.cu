@@ -136,24 +136,26 @@ void quantize_rows(const S* v, int64_t width, int64_t rows, const int32_t* tile_
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
+constexpr int kPlaceThreads = 256;  // place_tokens_kernel's block
+
 // Where each pair lands in the padded layout, and (deepgemm) its row there, a token at a time: records each
 // of the token's pairs' padded row (pair_padded_row, -1 for a sentinel or invalid id, and padded_pair of that
 // row), then writes the token's row, read once, into all of its padded rows: the bf16/f16 hidden state, or
 // with FP8 its e4m3 codes and scales (K-block-major, [H / 128, M]), quantised here as quantize_activations
-// does. grid.x strides over the tokens; grid.y splits a row into pieces of a block each: 256 16-byte pieces,
-// or (FP8) 8 groups of 128, a warp each. Reading each token once, not once per pair, and no quantised copy
-// of x in between: DeepSeek-V3 at 16,384 tokens read x (235 MB) 8 times.
+// does. One block a token (grid.x strides over them) writes the whole row: 16-byte pieces a thread, or (FP8)
+// 128-wide groups a warp, kChunk of them at a time so that as many loads are in flight. Reading each token
+// once, not once per pair, and no quantised copy of x in between: DeepSeek-V3 at 16,384 tokens read x
+// (235 MB) 8 times.
 template <typename S, bool kFp8>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kPlaceThreads)
     place_tokens_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, int32_t* padded_pair,
                         void* rows, float* row_scales, int64_t M) {
-  constexpr int kPairsAtOnce = 32;
+  constexpr int kPairsAtOnce = 32, kChunk = 4, kWarps = kPlaceThreads / 32;
   __shared__ int64_t padded[kPairsAtOnce];
   const int64_t K = a.top_k;
-  const int lane = threadIdx.x % 32;
-  const int64_t group = int64_t{blockIdx.y} * (blockDim.x / 32) + threadIdx.x / 32;  // FP8
-  const int64_t piece = int64_t{blockIdx.y} * blockDim.x + threadIdx.x;              // bf16/f16
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row_bytes = kFp8 ? a.hidden : a.hidden * int64_t{sizeof(S)};
+  const int64_t units = kFp8 ? a.hidden / 128 : row_bytes / 16;  // groups (FP8) or 16-byte pieces
   // The padded row of pair `pair`, -1 for a sentinel or invalid id: its expert is its id (valid whenever the
   // pair has a sorted row), so two rounds of loads, not a search of the expert offsets.
   auto padded_of = [&](int64_t pair) -> int64_t {
@@ -163,57 +165,78 @@ __global__ void __launch_bounds__(256)
     return int64_t{r.tile_offsets[e]} * kBlockM + (row - r.offsets[e]);
   };
   for (int64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) {
-    // The first pairs' padded rows are requested before the token's row, so that the two wait together.
-    int64_t first = -1;
-    if (threadIdx.x < min(int64_t{kPairsAtOnce}, K)) first = padded_of(t * K + threadIdx.x);
-    // This thread's part of the token's row, as it is written to each padded row.
-    uint4 value{};
-    uint32_t codes = 0;
-    float scale = 0.0f;
-    bool mine = false;
-    if (rows) {
-      if constexpr (kFp8) {
-        mine = group < a.hidden / 128;
-        if (mine) {
-          const S* v = static_cast<const S*>(a.x) + t * a.hidden + group * 128 + lane * 4;
-          float x[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) x[i] = to_f(v[i]);
-          scale = quantize_group_lanes(x, a.ue8m0_scales);
-#pragma unroll
-          for (int i = 0; i < 4; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
-            codes |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-        }
-      } else {
-        mine = piece < row_bytes / 16;
-        if (mine)
-          value = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.x) + t * row_bytes) + piece);
-      }
-    }
     for (int64_t k0 = 0; k0 < K; k0 += kPairsAtOnce) {
       const int64_t n = min(int64_t{kPairsAtOnce}, K - k0);
       if (threadIdx.x < n) {
         const int64_t pair = t * K + k0 + threadIdx.x;
-        const int64_t p = k0 == 0 ? first : padded_of(pair);
+        const int64_t p = padded_of(pair);
         padded[threadIdx.x] = p;
-        if (blockIdx.y == 0) {
-          pair_padded_row[pair] = static_cast<int32_t>(p);
-          if (p >= 0) padded_pair[p] = static_cast<int32_t>(pair);
-        }
+        pair_padded_row[pair] = static_cast<int32_t>(p);
+        if (p >= 0) padded_pair[p] = static_cast<int32_t>(pair);
       }
       __syncthreads();
-      if (mine)
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t p = padded[j];
-          if (p < 0) continue;
-          uint8_t* dst = static_cast<uint8_t*>(rows) + p * row_bytes;
-          if constexpr (kFp8) {
-            reinterpret_cast<uint32_t*>(dst + group * 128)[lane] = codes;
-            if (lane == 0) row_scales[group * M + p] = scale;
-          } else {
-            reinterpret_cast<uint4*>(dst)[piece] = value;
+      if (rows) {
+        uint8_t* const out = static_cast<uint8_t*>(rows);
+        if constexpr (kFp8) {
+          // Warp `warp` takes groups warp, warp + 8, ...: kChunk loads of 4 values a lane, then their codes.
+          for (int64_t g0 = warp; g0 < units; g0 += int64_t{kWarps} * kChunk) {
+            uint2 raw[kChunk];
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) {
+              const int64_t g = g0 + int64_t{kWarps} * c;
+              raw[c] = g < units ? __ldg(reinterpret_cast<const uint2*>(static_cast<const S*>(a.x) + t * a.hidden +
+                                                                        g * 128 + lane * 4))
+                                 : uint2{};
+            }
+            uint32_t codes[kChunk];
+            float scale[kChunk];
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) {
+              const S* v = reinterpret_cast<const S*>(&raw[c]);
+              float x[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) x[i] = to_f(v[i]);
+              scale[c] = quantize_group_lanes(x, a.ue8m0_scales);  // groups past the row: zeros, not written
+              codes[c] = 0;
+#pragma unroll
+              for (int i = 0; i < 4; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
+                codes[c] |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3)) << (8 * i);
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t p = padded[j];
+              if (p < 0) continue;
+#pragma unroll
+              for (int c = 0; c < kChunk; ++c) {
+                const int64_t g = g0 + int64_t{kWarps} * c;
+                if (g >= units) break;
+                reinterpret_cast<uint32_t*>(out + p * row_bytes + g * 128)[lane] = codes[c];
+                if (lane == 0) row_scales[g * M + p] = scale[c];
+              }
+            }
+          }
+        } else {
+          for (int64_t v0 = threadIdx.x; v0 < units; v0 += int64_t{kPlaceThreads} * kChunk) {
+            uint4 value[kChunk];
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) {
+              const int64_t v = v0 + int64_t{kPlaceThreads} * c;
+              value[c] =
+                  v < units
+                      ? __ldg(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.x) + t * row_bytes) + v)
+                      : uint4{};
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t p = padded[j];
+              if (p < 0) continue;
+#pragma unroll
+              for (int c = 0; c < kChunk; ++c) {
+                const int64_t v = v0 + int64_t{kPlaceThreads} * c;
+                if (v < units) reinterpret_cast<uint4*>(out + p * row_bytes)[v] = value[c];
+              }
+            }
           }
         }
+      }
       __syncthreads();  // padded is rewritten next
     }
   }
@@ -412,14 +435,9 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
   void* y = base + l.y;
   if (P > 0) {
     MOEKIT_CUDA_CHECK(cudaMemsetAsync(padded_pair, 0xFF, static_cast<std::size_t>(M) * 4, stream));  // -1: padding
-    constexpr int kPlaceThreads = 256;
-    // A row in blocks: FP8 groups of 128 a warp, or 16-byte pieces a thread.
-    const int64_t per_row = kFp8 ? a.hidden / 128 : a.hidden * int64_t{sizeof(T)} / 16;
-    const int64_t per_block = kFp8 ? kPlaceThreads / 32 : kPlaceThreads;
-    const dim3 place_grid(static_cast<unsigned>(std::min<int64_t>(a.tokens, 65535)),
-                          static_cast<unsigned>(rows ? (per_row + per_block - 1) / per_block : 1));
     place_tokens_kernel<T, kFp8>
-        <<<place_grid, kPlaceThreads, 0, stream>>>(a, r, pair_padded_row, padded_pair, rows, row_scales, M);
+        <<<static_cast<unsigned>(std::min<int64_t>(a.tokens, 65535)), kPlaceThreads, 0, stream>>>(
+            a, r, pair_padded_row, padded_pair, rows, row_scales, M);
     MOEKIT_CUDA_CHECK_LAUNCH();
 
     // FP8 gated: the first projection writes the intermediate's e4m3 codes and scales itself.
