@@ -256,6 +256,19 @@ std::vector<HarnessCase> harness_cases() {
         cases.push_back({std::string(prefix).append(w.name).append("_bf16_").append(nc.name), o, {}});
       }
 
+  // Rows wider than one pass of deepgemm's placing kernel (bf16: 1,152 16-byte pieces for 256 threads taking
+  // 4 each; FP8: 36 groups of 128 for 8 warps taking 4 each) and more slots a token than it looks up at once
+  // (K = 36 > 32), with sentinels; 288 pairs, so that the Hopper backends take the grouped GEMM, not decode.
+  {
+    RandomProblemOptions o =
+        sized(8, 4608, 128, 40, 36, DType::bf16, make_config(kActivations[0], true, false, false, true));
+    o.sentinel_fraction = 0.1;
+    cases.push_back({"wide_rows_many_slots_bf16_swiglu", o, {5}});
+    o.config.quantization.weights = WeightFormat::fp8_e4m3;
+    o.scale_dtype = DType::f32;
+    cases.push_back({"wide_rows_many_slots_fp8_bf16_swiglu", o, {5}});
+  }
+
   // Fresh random inputs per case.
   for (std::size_t i = 0; i < cases.size(); ++i) cases[i].options.seed = 1000 + i;
   return cases;
