@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
     place_tokens_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, int32_t* padded_pair,
                         void* rows, float* row_scales, int64_t M) {
   constexpr int kPairsAtOnce = 32, kChunk = 4, kWarps = kPlaceThreads / 32;
+  static_assert(!kFp8 || sizeof(S) == 2, "FP8 rows are read as four 2-byte values a lane (8 bytes)");
   __shared__ int64_t padded[kPairsAtOnce];
   const int64_t K = a.top_k;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
