@@ -28,6 +28,8 @@
 # of the medians (ab.log). Noise between leases is larger than many changes: compare only within one.
 # AB_VARIANTS (';'-separated VAR=value) adds sides: the new binary under each assignment; AB_GEMM=0 skips bench-gemm.
 # AB_BASELINE_ENV (VAR=value) runs the baseline side under that assignment (a baseline binary with a switch).
+# AB_BINARIES (';'-separated names) adds sides that run gpu-bundle/moekit_NAME.xz (make_gpu_bundle.sh VARIANTS);
+# NAME@VAR=value runs that binary under the assignment (a variant's switch).
 # ab_raw.log (under $OUT) is written as the sides run, so a run cut short still leaves its times there;
 # clocks.log holds the SM clock and power sampled meanwhile, summarised at the end of ab.log.
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
@@ -38,6 +40,9 @@ what=${1:-all}
 out=${OUT:-gpu-results}
 mkdir -p "$out"
 [[ -d gpu-bundle/lib ]] || tar -C gpu-bundle -xJf gpu-bundle/lib.tar.xz  # see make_gpu_bundle.sh
+if [[ ! -f gpu-bundle/moekit_tests && -f gpu-bundle/moekit_tests.xz ]]; then
+  xz -dc gpu-bundle/moekit_tests.xz >gpu-bundle/moekit_tests && chmod +x gpu-bundle/moekit_tests
+fi
 export LD_LIBRARY_PATH="$PWD/gpu-bundle/lib:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 status=0
@@ -157,17 +162,29 @@ if [[ $what == ab ]]; then
   # Sides: the baseline, the new binary, and the new binary under each of AB_VARIANTS (';'-separated
   # environment assignments such as MOEKIT_X=1, for switches kept in a tree while it is measured).
   IFS=';' read -ra variants <<<"${AB_VARIANTS:-}"
+  IFS=';' read -ra binaries <<<"${AB_BINARIES:-}"
+  for side in "${binaries[@]}"; do
+    name=${side%%@*}
+    [[ -x $out/moekit_$name ]] && continue
+    if [[ ! -f gpu-bundle/moekit_$name.xz ]]; then
+      echo "ab: no gpu-bundle/moekit_$name.xz; build the bundle with VARIANTS=\"$name:...\"" >&2
+      exit 2
+    fi
+    xz -dc "gpu-bundle/moekit_$name.xz" >"$out/moekit_$name" && chmod +x "$out/moekit_$name"
+  done
+  [[ -f gpu-bundle/variants ]] && cat gpu-bundle/variants
   # The SM clock and the power while the sides run, sampled every 200 ms (clocks.log): sustained FP8 work may
   # run below the clock that Nsight Compute's one-kernel replays see (session 17: DeepSeek-V3 16,384 FP8's
   # kernels summed to 14.3 ms under ncu, the layer timed 15.8-16.1 ms).
   nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 200 >"$out/clocks.log" 2>/dev/null &
   sampler=$!
   for _ in $(seq "${AB_ROUNDS:-2}"); do
-    for side in baseline new "${variants[@]}"; do
+    for side in baseline new "${variants[@]}" "${binaries[@]}"; do
       bin=./gpu-bundle/moekit
-      [[ $side == baseline ]] && bin=$out/moekit_baseline
+      name=${side%%@*}
+      [[ $side != *=* || $side == *@* ]] && [[ -x $out/moekit_$name ]] && bin=$out/moekit_$name  # baseline, AB_BINARIES
       env=()
-      [[ $side == *=* ]] && env=("$side")
+      [[ $side == *=* ]] && env=("${side#*@}")
       [[ $side == baseline && -n ${AB_BASELINE_ENV:-} ]] && env=("$AB_BASELINE_ENV")
       if [[ ${AB_GEMM:-1} == 1 ]]; then
         # shellcheck disable=SC2086

@@ -4,6 +4,12 @@
 # BASELINE=<git revision> also builds that revision's moekit (a git worktree and build directory under
 # build-baseline/, kept for incremental rebuilds) into gpu-bundle/moekit_baseline.xz, which
 # `scripts/gpu_check.sh ab` times against this tree's binary in one lease.
+# VARIANTS="name:patch[,patch...][:cmake arguments];..." also builds, for each variant, this repository's HEAD
+# with those patches applied (a git worktree and build directory under build-variants/name/, kept for
+# incremental rebuilds; uncommitted changes are not in it) into gpu-bundle/moekit_name.xz and
+# gpu-bundle/moekit_tests_name.xz: `gpu_check.sh ab` times it as side `name` with AB_BINARIES=name, and its
+# tests run on the GPU machine after `xz -dc`. Example: VARIANTS="turns:docs/experiments/fp8-trace-and-turns.patch;
+# trace:docs/experiments/fp8-trace-and-turns.patch:-DCMAKE_CUDA_FLAGS=-DMOEKIT_HOPPER_TRACE=1".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-cuda}
@@ -18,6 +24,9 @@ for lib in $(ldd "$build/moekit" "$build/tests/moekit_tests" | grep -oE '/[^ ]*l
 done
 tar -C gpu-bundle -cf - lib | xz -T2 -6 > gpu-bundle/lib.tar.xz
 rm -rf gpu-bundle/lib
+# The tests binary compressed too (21 MB -> 3), so that variants fit in what a call may carry;
+# gpu_check.sh unpacks it (or: xz -dc gpu-bundle/moekit_tests.xz > gpu-bundle/moekit_tests).
+xz -T2 -f gpu-bundle/moekit_tests
 if [[ -n ${BASELINE:-} ]]; then
   rev=$(git rev-parse --verify "${BASELINE}^{commit}")
   worktree="build-baseline/src"
@@ -32,5 +41,31 @@ if [[ -n ${BASELINE:-} ]]; then
   xz -T2 -c build-baseline/build/moekit >gpu-bundle/moekit_baseline.xz
   git log -1 --format='%h %s' "$rev" | cut -c1-100 >gpu-bundle/baseline_revision
   echo "baseline: $(cat gpu-bundle/baseline_revision)"
+fi
+if [[ -n ${VARIANTS:-} ]]; then
+  head=$(git rev-parse --verify HEAD)
+  IFS=';' read -ra specs <<<"$VARIANTS"
+  for spec in "${specs[@]}"; do
+    IFS=':' read -r name patches extra <<<"$spec"
+    [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "VARIANTS: '$name' is not a name of letters, digits, - and _" >&2; exit 2; }
+    worktree="build-variants/$name/src"
+    if [[ -d $worktree ]]; then
+      git -C "$worktree" reset -q --hard
+      git -C "$worktree" checkout -q --detach "$head"
+    else
+      git worktree add -q --detach "$worktree" "$head"
+    fi
+    IFS=',' read -ra list <<<"$patches"
+    for patch in "${list[@]}"; do
+      git -C "$worktree" apply "$PWD/$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
+    done
+    # shellcheck disable=SC2086
+    cmake -S "$worktree" -B "build-variants/$name/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEKIT_CUDA=ON \
+      -DMOEKIT_BUILD_FUZZ=OFF -DMOEKIT_CUTLASS_INCLUDE="$PWD/.deps/cutlass-4.2.0.0/include" ${extra:-} >/dev/null
+    cmake --build "build-variants/$name/build" -j"$(nproc)" --target moekit moekit_tests
+    xz -T2 -c "build-variants/$name/build/moekit" >"gpu-bundle/moekit_$name.xz"
+    xz -T2 -c "build-variants/$name/build/tests/moekit_tests" >"gpu-bundle/moekit_tests_$name.xz"
+    echo "variant $name: $(git log -1 --format=%h "$head") + ${patches} ${extra:-}" | tee -a gpu-bundle/variants
+  done
 fi
 du -sh gpu-bundle
