@@ -182,7 +182,7 @@ if [[ $what == ab ]]; then
     for side in baseline new "${variants[@]}" "${binaries[@]}"; do
       bin=./gpu-bundle/moekit
       name=${side%%@*}
-      [[ $side != *=* || $side == *@* ]] && [[ -x $out/moekit_$name ]] && bin=$out/moekit_$name  # baseline, AB_BINARIES
+      [[ -x $out/moekit_$name ]] && bin=$out/moekit_$name  # the baseline, or an AB_BINARIES side
       env=()
       [[ $side == *=* ]] && env=("${side#*@}")
       [[ $side == baseline && -n ${AB_BASELINE_ENV:-} ]] && env=("$AB_BASELINE_ENV")

@@ -27,17 +27,27 @@ rm -rf gpu-bundle/lib
 # The tests binary compressed too (21 MB -> 3), so that variants fit in what a call may carry;
 # gpu_check.sh unpacks it (or: xz -dc gpu-bundle/moekit_tests.xz > gpu-bundle/moekit_tests).
 xz -T2 -f gpu-bundle/moekit_tests
+# A git worktree at revision $2 in directory $1/src (created, or reset and moved there), for BASELINE and VARIANTS.
+checkout_worktree() {
+  if [[ -d $1/src ]]; then
+    git -C "$1/src" reset -q --hard
+    git -C "$1/src" checkout -q --detach "$2"
+  else
+    git worktree add -q --detach "$1/src" "$2"
+  fi
+}
+# Configures $1/src into $1/build as this tree is configured (extra cmake arguments in $3) and builds targets $2.
+build_worktree() {
+  # shellcheck disable=SC2086
+  cmake -S "$1/src" -B "$1/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEKIT_CUDA=ON -DMOEKIT_BUILD_FUZZ=OFF \
+    -DMOEKIT_CUTLASS_INCLUDE="$PWD/.deps/cutlass-4.2.0.0/include" ${3:-} >/dev/null
+  # shellcheck disable=SC2086
+  cmake --build "$1/build" -j"$(nproc)" --target $2
+}
 if [[ -n ${BASELINE:-} ]]; then
   rev=$(git rev-parse --verify "${BASELINE}^{commit}")
-  worktree="build-baseline/src"
-  if [[ -d $worktree ]]; then
-    git -C "$worktree" checkout -q --detach "$rev"
-  else
-    git worktree add -q --detach "$worktree" "$rev"
-  fi
-  cmake -S "$worktree" -B build-baseline/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEKIT_CUDA=ON \
-    -DMOEKIT_BUILD_FUZZ=OFF -DMOEKIT_CUTLASS_INCLUDE="$PWD/.deps/cutlass-4.2.0.0/include" >/dev/null
-  cmake --build build-baseline/build -j"$(nproc)" --target moekit
+  checkout_worktree build-baseline "$rev"
+  build_worktree build-baseline moekit
   xz -T2 -c build-baseline/build/moekit >gpu-bundle/moekit_baseline.xz
   git log -1 --format='%h %s' "$rev" | cut -c1-100 >gpu-bundle/baseline_revision
   echo "baseline: $(cat gpu-bundle/baseline_revision)"
@@ -48,23 +58,15 @@ if [[ -n ${VARIANTS:-} ]]; then
   for spec in "${specs[@]}"; do
     IFS=':' read -r name patches extra <<<"$spec"
     [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "VARIANTS: '$name' is not a name of letters, digits, - and _" >&2; exit 2; }
-    worktree="build-variants/$name/src"
-    if [[ -d $worktree ]]; then
-      git -C "$worktree" reset -q --hard
-      git -C "$worktree" checkout -q --detach "$head"
-    else
-      git worktree add -q --detach "$worktree" "$head"
-    fi
+    dir="build-variants/$name"
+    checkout_worktree "$dir" "$head"
     IFS=',' read -ra list <<<"$patches"
     for patch in "${list[@]}"; do
-      git -C "$worktree" apply "$PWD/$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
+      git -C "$dir/src" apply "$PWD/$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
     done
-    # shellcheck disable=SC2086
-    cmake -S "$worktree" -B "build-variants/$name/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEKIT_CUDA=ON \
-      -DMOEKIT_BUILD_FUZZ=OFF -DMOEKIT_CUTLASS_INCLUDE="$PWD/.deps/cutlass-4.2.0.0/include" ${extra:-} >/dev/null
-    cmake --build "build-variants/$name/build" -j"$(nproc)" --target moekit moekit_tests
-    xz -T2 -c "build-variants/$name/build/moekit" >"gpu-bundle/moekit_$name.xz"
-    xz -T2 -c "build-variants/$name/build/tests/moekit_tests" >"gpu-bundle/moekit_tests_$name.xz"
+    build_worktree "$dir" "moekit moekit_tests" "${extra:-}"
+    xz -T2 -c "$dir/build/moekit" >"gpu-bundle/moekit_$name.xz"
+    xz -T2 -c "$dir/build/tests/moekit_tests" >"gpu-bundle/moekit_tests_$name.xz"
     echo "variant $name: $(git log -1 --format=%h "$head") + ${patches} ${extra:-}" | tee -a gpu-bundle/variants
   done
 fi
