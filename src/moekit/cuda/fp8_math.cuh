@@ -34,19 +34,27 @@ __device__ __forceinline__ float activation_scale(float amax, bool power_of_two)
   return __uint_as_float(code << 23);
 }
 
-// A warp's 128-wide activation group, 4 values a lane (any assignment of the 128 values to lanes and
-// slots): replaces each value by the nearest e4m3 value of value / scale and returns the group's scale,
-// as quantize_activations does (values past the row's end must be passed as 0).
-__device__ __forceinline__ float quantize_group_lanes(float (&v)[4], bool power_of_two) {
+// A 128-wide activation group held by kLanes aligned lanes of a warp, N values each (N * kLanes = 128, any
+// assignment of the values to lanes and slots): replaces each value by the nearest e4m3 value of value / scale
+// and returns the group's scale, as quantize_activations does (values past the row's end must be passed as 0).
+// Every lane of the warp calls it (the largest magnitude is exchanged within each kLanes-lane group).
+template <int N, int kLanes>
+__device__ __forceinline__ float quantize_group_values(float (&v)[N], bool power_of_two) {
+  static_assert(N * kLanes == 128 && kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0);
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
   const float scale = activation_scale(amax, power_of_two), reciprocal = scale_reciprocal(scale);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = e4m3_value(divide_by_scale(v[i], scale, reciprocal));
+  for (int i = 0; i < N; ++i) v[i] = e4m3_value(divide_by_scale(v[i], scale, reciprocal));
   return scale;
+}
+
+// A warp's 128-wide activation group, 4 values a lane.
+__device__ __forceinline__ float quantize_group_lanes(float (&v)[4], bool power_of_two) {
+  return quantize_group_values<4, 32>(v, power_of_two);
 }
 
 // Where quantize_rows_kernel writes each row's quantised activations: the values the products use

@@ -142,10 +142,10 @@ constexpr int kPlaceThreads = 256;  // place_tokens_kernel's block
 // of the token's pairs' padded row (pair_padded_row, -1 for a sentinel or invalid id, and padded_pair of that
 // row), then writes the token's row, read once, into all of its padded rows: the bf16/f16 hidden state, or
 // with FP8 its e4m3 codes and scales (K-block-major, [H / 128, M]), quantised here as quantize_activations
-// does. One block a token (grid.x strides over them) writes the whole row: 16-byte pieces a thread, or (FP8)
-// 128-wide groups a warp, kChunk of them at a time so that as many loads are in flight. Reading each token
-// once, not once per pair, and no quantised copy of x in between: DeepSeek-V3 at 16,384 tokens read x
-// (235 MB) 8 times.
+// does. One block a token (grid.x strides over them) writes the whole row: 16-byte pieces a thread, kChunk of
+// them at a time so that as many loads are in flight, or (FP8) 16 values a lane, 8 lanes a 128-wide group. Reading each
+// token once, not once per pair, and no quantised copy of x in between: DeepSeek-V3 at 16,384 tokens read x (235 MB) 8
+// times.
 template <typename S, bool kFp8>
 __global__ void __launch_bounds__(kPlaceThreads)
     place_tokens_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, int32_t* padded_pair,
@@ -179,41 +179,38 @@ __global__ void __launch_bounds__(kPlaceThreads)
       if (rows) {
         uint8_t* const out = static_cast<uint8_t*>(rows);
         if constexpr (kFp8) {
-          // Warp `warp` takes groups warp, warp + 8, ...: kChunk loads of 4 values a lane, then their codes.
-          for (int64_t g0 = warp; g0 < units; g0 += int64_t{kWarps} * kChunk) {
-            uint2 raw[kChunk];
-#pragma unroll
-            for (int c = 0; c < kChunk; ++c) {
-              const int64_t g = g0 + int64_t{kWarps} * c;
-              raw[c] = g < units ? __ldg(reinterpret_cast<const uint2*>(static_cast<const S*>(a.x) + t * a.hidden +
-                                                                        g * 128 + lane * 4))
-                                 : uint2{};
+          // 16 values a lane, so a group is 8 lanes and a warp takes 4 groups: lane `lane` of warp `warp` holds
+          // values 16 (lane % 8) .. + 15 of group 4 warp + lane / 8 (+ 32 per pass), written as one 16-byte
+          // store of codes (a 4-byte store a lane wrote each row's 128 bytes in four times the instructions).
+          constexpr int kGroupsAtOnce = kWarps * 4;
+          for (int64_t g0 = 0; g0 < units; g0 += kGroupsAtOnce) {
+            const int64_t g = g0 + 4 * warp + lane / 8;
+            const bool in_row = g < units;  // not warp-uniform: every lane still quantises (zeros past the row)
+            uint4 raw[2] = {};
+            if (in_row) {
+              const auto* src =
+                  reinterpret_cast<const uint4*>(static_cast<const S*>(a.x) + t * a.hidden + g * 128 + (lane % 8) * 16);
+              raw[0] = __ldg(src);
+              raw[1] = __ldg(src + 1);
             }
-            uint32_t codes[kChunk];
-            float scale[kChunk];
+            float x[16];
+            const S* v = reinterpret_cast<const S*>(raw);
 #pragma unroll
-            for (int c = 0; c < kChunk; ++c) {
-              const S* v = reinterpret_cast<const S*>(&raw[c]);
-              float x[4];
+            for (int i = 0; i < 16; ++i) x[i] = to_f(v[i]);
+            const float scale = quantize_group_values<16, 8>(x, a.ue8m0_scales);
+            uint32_t codes[4] = {};
 #pragma unroll
-              for (int i = 0; i < 4; ++i) x[i] = to_f(v[i]);
-              scale[c] = quantize_group_lanes(x, a.ue8m0_scales);  // groups past the row: zeros, not written
-              codes[c] = 0;
-#pragma unroll
-              for (int i = 0; i < 4; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
-                codes[c] |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3)) << (8 * i);
-            }
-            for (int64_t j = 0; j < n; ++j) {
-              const int64_t p = padded[j];
-              if (p < 0) continue;
-#pragma unroll
-              for (int c = 0; c < kChunk; ++c) {
-                const int64_t g = g0 + int64_t{kWarps} * c;
-                if (g >= units) break;
-                reinterpret_cast<uint32_t*>(out + p * row_bytes + g * 128)[lane] = codes[c];
-                if (lane == 0) row_scales[g * M + p] = scale[c];
+            for (int i = 0; i < 16; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
+              codes[i / 4] |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3))
+                              << (8 * (i % 4));
+            const uint4 packed = make_uint4(codes[0], codes[1], codes[2], codes[3]);
+            if (in_row)
+              for (int64_t j = 0; j < n; ++j) {
+                const int64_t p = padded[j];
+                if (p < 0) continue;
+                reinterpret_cast<uint4*>(out + p * row_bytes + g * 128)[lane % 8] = packed;
+                if (lane % 8 == 0) row_scales[g * M + p] = scale;
               }
-            }
           }
         } else {
           for (int64_t v0 = threadIdx.x; v0 < units; v0 += int64_t{kPlaceThreads} * kChunk) {
