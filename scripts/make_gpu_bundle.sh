@@ -10,6 +10,10 @@
 # gpu-bundle/moekit_tests_name.xz: `gpu_check.sh ab` times it as side `name` with AB_BINARIES=name, and its
 # tests run on the GPU machine after `xz -dc`. Example: VARIANTS="turns:docs/experiments/fp8-trace-and-turns.patch;
 # trace:docs/experiments/fp8-trace-and-turns.patch:-DCMAKE_CUDA_FLAGS=-DMOEKIT_HOPPER_TRACE=1".
+# VARIANTS_IN_TREE=1 builds the variants in this tree's build directory instead: each variant's patches are applied
+# to the working tree (which must not differ from HEAD in tracked files), its two targets rebuilt, the patches
+# reverted, and this tree rebuilt at the end. Incremental builds (minutes on a fresh checkout, where each worktree
+# is a full build); cmake arguments are refused there (they would reconfigure the build directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-cuda}
@@ -52,7 +56,35 @@ if [[ -n ${BASELINE:-} ]]; then
   git log -1 --format='%h %s' "$rev" | cut -c1-100 >gpu-bundle/baseline_revision
   echo "baseline: $(cat gpu-bundle/baseline_revision)"
 fi
-if [[ -n ${VARIANTS:-} ]]; then
+# Reverts the patches named in the array `applied`, last first (VARIANTS_IN_TREE).
+revert_applied() {
+  local i
+  for ((i = ${#applied[@]} - 1; i >= 0; i--)); do git apply -R "${applied[$i]}"; done
+  applied=()
+}
+if [[ -n ${VARIANTS:-} && ${VARIANTS_IN_TREE:-0} == 1 ]]; then
+  git diff --quiet HEAD || { echo "VARIANTS_IN_TREE: tracked files differ from HEAD; commit or stash them first" >&2; exit 2; }
+  head=$(git rev-parse --verify HEAD)
+  applied=()
+  trap revert_applied EXIT  # the working tree is restored however the script ends
+  IFS=';' read -ra specs <<<"$VARIANTS"
+  for spec in "${specs[@]}"; do
+    IFS=':' read -r name patches extra <<<"$spec"
+    [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "VARIANTS: '$name' is not a name of letters, digits, - and _" >&2; exit 2; }
+    [[ -z ${extra:-} ]] || { echo "VARIANTS_IN_TREE: variant $name has cmake arguments; build it without VARIANTS_IN_TREE" >&2; exit 2; }
+    IFS=',' read -ra list <<<"$patches"
+    for patch in "${list[@]}"; do
+      git apply "$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
+      applied+=("$patch")
+    done
+    cmake --build "$build" -j"$(nproc)" --target moekit moekit_tests
+    xz -T2 -c "$build/moekit" >"gpu-bundle/moekit_$name.xz"
+    xz -T2 -c "$build/tests/moekit_tests" >"gpu-bundle/moekit_tests_$name.xz"
+    revert_applied
+    echo "variant $name: $(git log -1 --format=%h "$head") + ${patches} (in tree)" | tee -a gpu-bundle/variants
+  done
+  cmake --build "$build" -j"$(nproc)"  # this tree's build directory back to HEAD
+elif [[ -n ${VARIANTS:-} ]]; then
   head=$(git rev-parse --verify HEAD)
   IFS=';' read -ra specs <<<"$VARIANTS"
   for spec in "${specs[@]}"; do
