@@ -62,44 +62,47 @@ revert_applied() {
   for ((i = ${#applied[@]} - 1; i >= 0; i--)); do git apply -R "${applied[$i]}"; done
   applied=()
 }
-if [[ -n ${VARIANTS:-} && ${VARIANTS_IN_TREE:-0} == 1 ]]; then
-  git diff --quiet HEAD || { echo "VARIANTS_IN_TREE: tracked files differ from HEAD; commit or stash them first" >&2; exit 2; }
+if [[ -n ${VARIANTS:-} ]]; then
+  in_tree=${VARIANTS_IN_TREE:-0}
   head=$(git rev-parse --verify HEAD)
-  applied=()
-  trap revert_applied EXIT  # the working tree is restored however the script ends
+  if [[ $in_tree == 1 ]]; then
+    if ! git diff --quiet HEAD; then
+      echo "VARIANTS_IN_TREE: tracked files differ from HEAD; commit or stash them" >&2
+      exit 2
+    fi
+    applied=()
+    trap revert_applied EXIT  # the working tree is restored however the script ends
+  fi
   IFS=';' read -ra specs <<<"$VARIANTS"
   for spec in "${specs[@]}"; do
     IFS=':' read -r name patches extra <<<"$spec"
     [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "VARIANTS: '$name' is not a name of letters, digits, - and _" >&2; exit 2; }
-    [[ -z ${extra:-} ]] || { echo "VARIANTS_IN_TREE: variant $name has cmake arguments; build it without VARIANTS_IN_TREE" >&2; exit 2; }
     IFS=',' read -ra list <<<"$patches"
-    for patch in "${list[@]}"; do
-      git apply "$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
-      applied+=("$patch")
-    done
-    cmake --build "$build" -j"$(nproc)" --target moekit moekit_tests
-    xz -T2 -c "$build/moekit" >"gpu-bundle/moekit_$name.xz"
-    xz -T2 -c "$build/tests/moekit_tests" >"gpu-bundle/moekit_tests_$name.xz"
-    revert_applied
-    echo "variant $name: $(git log -1 --format=%h "$head") + ${patches} (in tree)" | tee -a gpu-bundle/variants
+    if [[ $in_tree == 1 ]]; then
+      if [[ -n ${extra:-} ]]; then
+        echo "VARIANTS_IN_TREE: variant $name has cmake arguments; build it in a worktree" >&2
+        exit 2
+      fi
+      for patch in "${list[@]}"; do
+        git apply "$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
+        applied+=("$patch")
+      done
+      cmake --build "$build" -j"$(nproc)" --target moekit moekit_tests
+      built=$build how="(in tree)"
+    else
+      dir="build-variants/$name"
+      checkout_worktree "$dir" "$head"
+      for patch in "${list[@]}"; do
+        git -C "$dir/src" apply "$PWD/$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
+      done
+      build_worktree "$dir" "moekit moekit_tests" "${extra:-}"
+      built=$dir/build how=${extra:-}
+    fi
+    xz -T2 -c "$built/moekit" >"gpu-bundle/moekit_$name.xz"
+    xz -T2 -c "$built/tests/moekit_tests" >"gpu-bundle/moekit_tests_$name.xz"
+    if [[ $in_tree == 1 ]]; then revert_applied; fi
+    echo "variant $name: $(git log -1 --format=%h "$head") + ${patches} ${how}" | tee -a gpu-bundle/variants
   done
-  cmake --build "$build" -j"$(nproc)"  # this tree's build directory back to HEAD
-elif [[ -n ${VARIANTS:-} ]]; then
-  head=$(git rev-parse --verify HEAD)
-  IFS=';' read -ra specs <<<"$VARIANTS"
-  for spec in "${specs[@]}"; do
-    IFS=':' read -r name patches extra <<<"$spec"
-    [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "VARIANTS: '$name' is not a name of letters, digits, - and _" >&2; exit 2; }
-    dir="build-variants/$name"
-    checkout_worktree "$dir" "$head"
-    IFS=',' read -ra list <<<"$patches"
-    for patch in "${list[@]}"; do
-      git -C "$dir/src" apply "$PWD/$patch" || { echo "VARIANTS: $patch does not apply to HEAD ($name)" >&2; exit 2; }
-    done
-    build_worktree "$dir" "moekit moekit_tests" "${extra:-}"
-    xz -T2 -c "$dir/build/moekit" >"gpu-bundle/moekit_$name.xz"
-    xz -T2 -c "$dir/build/tests/moekit_tests" >"gpu-bundle/moekit_tests_$name.xz"
-    echo "variant $name: $(git log -1 --format=%h "$head") + ${patches} ${extra:-}" | tee -a gpu-bundle/variants
-  done
+  if [[ $in_tree == 1 ]]; then cmake --build "$build" -j"$(nproc)"; fi  # this tree's build directory back to HEAD
 fi
 du -sh gpu-bundle
