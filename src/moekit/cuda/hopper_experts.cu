@@ -41,17 +41,25 @@ using hopper::kBlockM;
 
 // Weight rows per column block (gated: half gate, half up rows) and pipeline depth, the deepest that fits beside
 // the staging buffers: bf16 4 x 48 KB (beside the first projection's two 17 KB buffers; 3 beside the second's
-// two 33 KB); FP8 (whose second set of accumulators takes the registers of a wider tile) 6 x 34 KB (5 beside
-// the second projection's two 17 KB buffers).
-template <bool kFp8>
-constexpr int kTileN = kFp8 ? 128 : 256;
+// two 33 KB); FP8 first projections 128 wide (their second set of accumulators takes the registers of a wider
+// tile; gated_quantized pairs 64-output tiles into 128-wide groups) at 6 x 34 KB (5 beside gated_quantized's
+// stashes); FP8's second projection 192 wide (MOEKIT_FP8_DOWN_TILE_N, 128 to build the former form), 4 x 41 KB
+// beside its two 25 KB staging buffers.
+#ifndef MOEKIT_FP8_DOWN_TILE_N
+#define MOEKIT_FP8_DOWN_TILE_N 192
+#endif
+template <bool kFp8, Epilogue kEpi>
+constexpr int kTileN = !kFp8                          ? 256
+                       : kEpi == Epilogue::store_rows ? MOEKIT_FP8_DOWN_TILE_N
+                                                      : 128;
 template <bool kFp8, Epilogue kEpi, bool kGatherA>
-constexpr int kStages = hopper::fitting_stages<kTileN<kFp8>, kFp8, kEpi, kGatherA, kFp8 ? 6 : 4>();
+constexpr int kStages = hopper::fitting_stages<kTileN<kFp8, kEpi>, kFp8, kEpi, kGatherA, kFp8 ? 6 : 4>();
 static_assert(kStages<false, Epilogue::gated_activation, false> == 4 &&
               kStages<false, Epilogue::store_rows, false> == 3 &&
               kStages<false, Epilogue::gated_activation, true> == 4 &&
               kStages<true, Epilogue::gated_activation, false> == 6 &&
-              kStages<true, Epilogue::gated_quantized, false> == 5 && kStages<true, Epilogue::store_rows, false> == 5);
+              kStages<true, Epilogue::gated_quantized, false> == 5 &&
+              kStages<true, Epilogue::store_rows, false> == (kTileN<true, Epilogue::store_rows> == 192 ? 4 : 5));
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;
@@ -271,7 +279,7 @@ bool idle_padding() {
 template <typename T, Epilogue kEpi, int kCluster, bool kGatherA, bool kFp8>
 void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
                     const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
-  constexpr int BN = kTileN<kFp8>;
+  constexpr int BN = kTileN<kFp8, kEpi>;
   constexpr int kDepth = kStages<kFp8, kEpi, kGatherA>;
   auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kDepth, kCluster, kGatherA, kFp8>;
   constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kFp8, kEpi, kGatherA>(kDepth);
@@ -387,7 +395,7 @@ struct GemmProjection {
 template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
 void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int32_t* padded_pair, int64_t max_tiles,
                     const GemmProjection& j, cudaStream_t stream) {
-  constexpr int BN = kTileN<kFp8>;
+  constexpr int BN = kTileN<kFp8, kEpi>;
   const DType operand = kFp8 ? DType::f8_e4m3 : a.dtype;
   const int64_t stage_k = hopper::kStageK<kFp8>, M = max_tiles * kBlockM, N = j.parts * j.part_rows;
   hopper::GemmParams p;

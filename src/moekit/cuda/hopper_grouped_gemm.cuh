@@ -269,6 +269,10 @@ template <>
 struct WgmmaOp<f8_e4m3, 128> {
   using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 };
+template <>
+struct WgmmaOp<f8_e4m3, 192> {
+  using type = cute::SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>;
+};
 
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes,
 // groups of 8 rows 1024 bytes apart (the leading offset is unused by this layout).
@@ -801,18 +805,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       const Tile t = tile_of(unit, hint);
       float weight[2] = {1.0f, 1.0f};
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
-      // FP8: where the block scales of the tile's two weight halves start (their 128-row blocks).
+      // FP8: where the two weight scale blocks of the tile start. 128 wide: those of its two 64-row halves
+      // (gated: its gate and up rows); 192 wide: the 128-row block of its first row and the next one (the
+      // last block where there is none), which its columns from 128 (even column blocks) or 64 (odd) on take.
       const uint8_t* scale_base[2] = {nullptr, nullptr};
       if constexpr (kFp8) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          int64_t first;  // the half's first weight row
+          int64_t block;  // the 128-row block of weight scales
           if (kGated<kEpi>)
-            first = p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows
-                                  : h * p.a.intermediate + int64_t{t.n_block} * kHalfRows;
+            block = (p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows
+                                   : h * p.a.intermediate + int64_t{t.n_block} * kHalfRows) /
+                    128;
+          else if constexpr (BN == 128)
+            block = (int64_t{t.n_block} * BN + h * kHalfRows) / 128;
           else
-            first = int64_t{t.n_block} * BN + h * kHalfRows;
-          const int64_t index = (t.expert * p.b_scale_rows + first / 128) * p.k_blocks;
+            block = min(int64_t{t.n_block} * BN / 128 + h, p.b_scale_rows - 1);
+          const int64_t index = (t.expert * p.b_scale_rows + block) * p.k_blocks;
           scale_base[h] = static_cast<const uint8_t*>(p.b_scales) + (ue8m0 ? index : 4 * index);
         }
 #pragma unroll
@@ -831,61 +840,75 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       } else if constexpr (kFp8) {
-        // FP8. Everything block kb + 1 needs before its wgmma batch (its stage's "full" barrier, its row scales,
-        // its weight scales) is done while block kb's batch runs, so that after the batch only the stage's
-        // release and the promotion stand before the next batch (measured: with that work between the
-        // promotion and the next batch, each warp's chain of dependent instructions, not the tensor cores,
-        // set the pace).
-        auto wait_and_read_rows = [&](int kb, float(&a_scale)[2]) {
-          wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
-          const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
+        // kSplit: the accumulators [0, kSplit) (columns below 2 kSplit) take the first weight scale block, the
+        // rest the second. A constant of each instantiation of the loop, so that picking costs nothing.
+        auto fp8_tile = [&](auto split) {
+          constexpr int kSplit = decltype(split)::value;
+          // FP8. Everything block kb + 1 needs before its wgmma batch (its stage's "full" barrier, its row scales,
+          // its weight scales) is done while block kb's batch runs, so that after the batch only the stage's
+          // release and the promotion stand before the next batch (measured: with that work between the
+          // promotion and the next batch, each warp's chain of dependent instructions, not the tensor cores,
+          // set the pace).
+          auto wait_and_read_rows = [&](int kb, float(&a_scale)[2]) {
+            wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
+            const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
+          };
+          // Weight scales are requested two blocks ahead into two slots used alternately (the loop body is
+          // written out twice): with one register carried from load to use, the compiler copied it right after
+          // the load and so waited for the load.
+          float a_scale[2];
+          uint32_t b_slot[2][2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
+          wait_and_read_rows(0, a_scale);
+          auto block = [&](int kb, uint32_t(&b_bits)[2]) {
+            const int issued = stage;
+            const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+            cute::warpgroup_arrive();
+#pragma unroll
+            for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k32) of e4m3 per wgmma
+              wgmma<Op>(with_address(desc_hi, desc_a_lo + stage_offset + 2 * kk),
+                        with_address(desc_hi, desc_b_lo + stage_offset + 2 * kk), part, kk > 0,
+                        std::make_index_sequence<BN / 2>{});
+            cute::warpgroup_commit_batch();
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+            float scale[2][2];
+            const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
+            const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
+            b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
+            b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
+            if (++stage == kStages) stage = 0, phase ^= 1;
+            // While the batch runs: block kb + 1's stage and row scales.
+            if (kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1, a_scale);
+            cute::warpgroup_wait<0>();
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+            release(issued);
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < kSplit ? 0 : 1], acc[i]);
+          };
+          for (int kb = 0; kb < p.k_blocks; kb += 2) {
+            block(kb, b_slot[0]);
+            if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
+          }
         };
-        // Weight scales are requested two blocks ahead into two slots used alternately (the loop body is
-        // written out twice): with one register carried from load to use, the compiler copied it right after
-        // the load and so waited for the load.
-        float a_scale[2];
-        uint32_t b_slot[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
-        wait_and_read_rows(0, a_scale);
-        auto block = [&](int kb, uint32_t(&b_bits)[2]) {
-          const int issued = stage;
-          const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
-          cute::warpgroup_arrive();
-#pragma unroll
-          for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k32) of e4m3 per wgmma
-            wgmma<Op>(with_address(desc_hi, desc_a_lo + stage_offset + 2 * kk),
-                      with_address(desc_hi, desc_b_lo + stage_offset + 2 * kk), part, kk > 0,
-                      std::make_index_sequence<BN / 2>{});
-          cute::warpgroup_commit_batch();
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
-          float scale[2][2];
-          const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
-          const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
-          b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
-          b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
-          if (++stage == kStages) stage = 0, phase ^= 1;
-          // While the batch runs: block kb + 1's stage and row scales.
-          if (kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1, a_scale);
-          cute::warpgroup_wait<0>();
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
-          release(issued);
-#pragma unroll
-          for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < BN / 4 ? 0 : 1], acc[i]);
-        };
-        for (int kb = 0; kb < p.k_blocks; kb += 2) {
-          block(kb, b_slot[0]);
-          if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
+        static_assert(BN == 128 || (BN == 192 && !kGated<kEpi>), "FP8 tiles: 128 wide, or 192 ungated");
+        if constexpr (BN == 192) {
+          if (t.n_block % 2 == 0)
+            fp8_tile(std::integral_constant<int, 64>{});  // rows 192 n: a scale block starts at column 128
+          else
+            fp8_tile(std::integral_constant<int, 32>{});  // rows 192 n = 128 (3n / 2) + 64: at column 64
+        } else {
+          fp8_tile(std::integral_constant<int, BN / 4>{});  // the two 64-row halves
         }
       } else {
         int previous = -1;
