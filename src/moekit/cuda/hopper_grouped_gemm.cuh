@@ -19,7 +19,8 @@
 // With masked_m set (the masked layout), a tile's rows start inside its group's block of rows.
 // kFp8 (deepgemm's FP8 experts): e4m3 operands with block scales, promoted per 128-deep block (see the
 // kernel); the gated first projection's epilogue quantises its outputs into e4m3 codes and scales
-// (gated_quantized), the ungated one stores float, which a separate pass quantises.
+// (gated_quantized), the ungated one stores float, which a separate pass quantises. FP8 tiles are 128 wide, or
+// 192 (the second projection: hopper_experts.cu's kTileN), whose columns cross a 128-row block of weight scales.
 // Epilogues with 2-byte outputs (both projections in bf16/f16, FP8's second) write each warpgroup's rows to a
 // shared-memory buffer and go on to the next tile while warps 1-3 of the producer warpgroup copy them out
 // (staged_epilogue, named barriers 3-6); with kGatherA, and for FP8's float rows, the math warpgroups store
