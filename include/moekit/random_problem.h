@@ -25,9 +25,10 @@ struct RandomProblemOptions {
   int64_t used_experts = 0;        // > 0: route only among the first used_experts (others empty)
   // Values: x ~ U(-1, 1); weights ~ U(-1, 1) / sqrt(fan_in) so activations stay O(1).
   float input_scale = 1.0f;
-  // With config.quantization set, the weights drawn as above are quantised (quantize_weights) and the
-  // problem holds the quantised weights and their scales, in this dtype for FP8 (f32 or ue8m0); FP4
-  // always has ue8m0 scales.
+  // With config.quantization set, each 128 x 128 block of the weights drawn as above is multiplied by its own
+  // power of two (1/2 to 4; neighbouring blocks' scales then differ, which uniform weights would not make them),
+  // the weights are quantised (quantize_weights) and the problem holds the quantised weights and their scales, in
+  // this dtype for FP8 (f32 or ue8m0); FP4 always has ue8m0 scales.
   DType scale_dtype = DType::f32;
 };
 

@@ -22,6 +22,24 @@ void fill_uniform(Tensor& t, std::mt19937_64& rng, float scale) {
   moekit::fill_uniform(t, scale, rng());
 }
 
+// Multiplies each 128 x 128 block of weights [E, rows, cols] (contiguous, on the CPU) by its own power of two,
+// 2^-1 to 2^2 by (expert + row block + 2 column block) mod 4, so that neighbouring blocks' quantisation scales
+// differ by 2x to 8x: a kernel that applies a neighbouring block's scale is then clearly wrong. Exact (powers of
+// two), on all threads.
+void vary_block_magnitudes(Tensor& w) {
+  const int64_t rows = w.size(1), cols = w.size(2), n = w.numel();
+  visit_float_dtype(w.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(w.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t e = i / (rows * cols), r = i / cols % rows, c = i % cols;
+      const float factor = std::ldexp(1.0f, static_cast<int>((e + r / 128 + 2 * (c / 128)) % 4) - 1);
+      p[i] = from_float<T>(to_float(p[i]) * factor);
+    }
+  });
+}
+
 }  // namespace
 
 void fill_uniform(Tensor& t, float scale, uint64_t stream) {
@@ -105,6 +123,8 @@ ExpertsProblem make_random_problem(const RandomProblemOptions& o) {
   if (c.quantization.quantized()) {
     MOEKIT_CHECK(!c.is_transposed, "make_random_problem: quantised weights are untransposed; got ", c.describe());
     const DType scale_dtype = c.quantization.weights == WeightFormat::fp4_e2m1 ? DType::ue8m0 : o.scale_dtype;
+    vary_block_magnitudes(p.gate_up_proj);
+    vary_block_magnitudes(p.down_proj);
     QuantizedWeights up = quantize_weights(p.gate_up_proj, c.quantization.weights, scale_dtype);
     QuantizedWeights down = quantize_weights(p.down_proj, c.quantization.weights, scale_dtype);
     p.gate_up_proj = up.weights;
