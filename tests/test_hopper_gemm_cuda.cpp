@@ -63,13 +63,10 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
 
   Tensor w = Tensor::empty({G, N, K}, DType::f32), x = Tensor::empty({M, K}, DType::f32);
   fill_uniform(w, 1.0f / std::sqrt(static_cast<float>(K)), 31);
-  // Each 128 x 128 block of a group's weights times its own power of two (1 to 8), so that FP8's block scales
-  // differ by up to 8x from their neighbours': a tile column that took a neighbouring block's scale (the 192-wide
-  // tiles of the second projection straddle blocks at column 64 or 128) is off by a factor of 2 or more.
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t k = 0; k < K; ++k)
-        w.data_as<float>()[(g * N + n) * K + k] *= static_cast<float>(1 << ((g + n / 128 + 2 * (k / 128)) % 4));
+  // Each 128 x 128 block of a group's weights times its own power of two, so that FP8's block scales differ by 2x
+  // to 8x from their neighbours': a tile column that took a neighbouring block's scale (the 192-wide tiles of the
+  // second projection straddle blocks at column 64 or 128) is off by a factor of 2 or more.
+  vary_block_magnitudes(w);
   fill_uniform(x, 1.0f, 32);
   GroupedGemmProblem p;
   p.epilogue = c.epilogue;

@@ -39,6 +39,12 @@ ExpertsProblem make_random_problem(const RandomProblemOptions& options);
 // (stream, its index): the same stream gives the same values on any number of threads.
 void fill_uniform(Tensor& t, float scale, uint64_t stream);
 
+// Multiplies each 128 x 128 block of contiguous CPU weights [E, rows, cols] by its own power of two, 2^-1 to 2^2
+// by (expert + row block + 2 column block) mod 4 (exact), so that neighbouring blocks' quantisation scales differ by
+// 2x to 8x: a kernel that applies a neighbouring block's scale is then clearly wrong. make_random_problem does it
+// to quantised problems' weights before quantising them.
+void vary_block_magnitudes(Tensor& w);
+
 // Redraws the routing (ids and weights) of an existing problem in place, keeping the weights.
 void redraw_routing(ExpertsProblem& problem, const RandomProblemOptions& options, uint64_t seed);
 

@@ -22,24 +22,6 @@ void fill_uniform(Tensor& t, std::mt19937_64& rng, float scale) {
   moekit::fill_uniform(t, scale, rng());
 }
 
-// Multiplies each 128 x 128 block of weights [E, rows, cols] (contiguous, on the CPU) by its own power of two,
-// 2^-1 to 2^2 by (expert + row block + 2 column block) mod 4, so that neighbouring blocks' quantisation scales
-// differ by 2x to 8x: a kernel that applies a neighbouring block's scale is then clearly wrong. Exact (powers of
-// two), on all threads.
-void vary_block_magnitudes(Tensor& w) {
-  const int64_t rows = w.size(1), cols = w.size(2), n = w.numel();
-  visit_float_dtype(w.dtype(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    T* p = static_cast<T*>(w.data());
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t e = i / (rows * cols), r = i / cols % rows, c = i % cols;
-      const float factor = std::ldexp(1.0f, static_cast<int>((e + r / 128 + 2 * (c / 128)) % 4) - 1);
-      p[i] = from_float<T>(to_float(p[i]) * factor);
-    }
-  });
-}
-
 }  // namespace
 
 void fill_uniform(Tensor& t, float scale, uint64_t stream) {
@@ -54,6 +36,24 @@ void fill_uniform(Tensor& t, float scale, uint64_t stream) {
       const uint64_t bits = mix(stream + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i + 1));
       const float unit = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);  // [0, 1), 24 bits
       p[i] = from_float<T>((2.0f * unit - 1.0f) * scale);
+    }
+  });
+}
+
+void vary_block_magnitudes(Tensor& w) {
+  MOEKIT_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 3,
+               "vary_block_magnitudes: expected contiguous CPU weights [E, rows, cols], got ", w.describe());
+  const int64_t rows = w.size(1), cols = w.size(2), matrix_rows = w.size(0) * rows;
+  visit_float_dtype(w.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(w.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < matrix_rows; ++i) {  // row i % rows of expert i / rows
+      const int64_t first = i / rows + i % rows / 128;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float factor = std::ldexp(1.0f, static_cast<int>((first + 2 * (c / 128)) % 4) - 1);
+        p[i * cols + c] = from_float<T>(to_float(p[i * cols + c]) * factor);
+      }
     }
   });
 }
