@@ -18,7 +18,7 @@
 # (profile_N_sass.csv) for reading where the math warps wait.
 # kprofile: the same Nsight Compute sections on one kernel of a `moekit bench` run: KPROFILE_KERNEL (a regex of the
 # kernel's name, default the quantised batched_mm up kernel) in KPROFILE_CASES (';'-separated `moekit bench`
-# arguments, one case each), one launch after two skipped (kprofile_N.txt, kprofile_N_sass.csv). NCU_MOEKIT names the binary here too.
+# arguments, one case each), one launch after KPROFILE_SKIP (default 2) skipped (kprofile_N.txt, kprofile_N_sass.csv). NCU_MOEKIT names the binary here too.
 # stress: deepgemm at sizes with many all-padding warpgroups, STRESS_CALLS calls per case (default 5000), each
 # case under `timeout STRESS_SECONDS` (default 90): a hang in the grouped GEMM's pipeline becomes a failure that
 # names its case (the session-9 hang needed thousands of calls to show).
@@ -121,7 +121,7 @@ if [[ $what == kprofile ]]; then
   for i in "${!cases[@]}"; do
     echo "== ${cases[$i]} (kernel ${KPROFILE_KERNEL:-up_kernel})"
     # shellcheck disable=SC2086
-    ncu --clock-control none -k "regex:${KPROFILE_KERNEL:-up_kernel}" --launch-skip 2 --launch-count 1 \
+    ncu --clock-control none -k "regex:${KPROFILE_KERNEL:-up_kernel}" --launch-skip "${KPROFILE_SKIP:-2}" --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
       --section Occupancy --section LaunchStats -f -o "$out/kprofile_$i" ${NCU_MOEKIT:-./gpu-bundle/moekit} bench --device cuda \
       --warmup 1 --repeats 2 --json '' --plot '' --memory-bandwidth-gbs 4200 ${cases[$i]} >"$out/kprofile_$i.log" 2>&1

@@ -140,7 +140,30 @@ void quantize_rows(const S* v, int64_t width, int64_t rows, const int32_t* tile_
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
-constexpr int kPlaceThreads = 256;  // place_tokens_kernel's block
+constexpr int kPlaceThreads = 256;  // place_tokens_kernel's and place_pairs_kernel's block
+
+// The padded row of pair `pair`, -1 for a sentinel or invalid id: its expert is its id (valid whenever the pair has
+// a sorted row), so two rounds of loads, not a search of the expert offsets.
+__device__ __forceinline__ int64_t padded_row_of(const ExpertsArgs& a, const DeviceRouting& r, int64_t pair) {
+  const int32_t row = r.pair_row[pair];
+  const int64_t e = load_id(a, pair);  // loaded beside the row: out of range only where row < 0
+  if (row < 0) return -1;
+  return int64_t{r.tile_offsets[e]} * kBlockM + (row - r.offsets[e]);
+}
+
+// Where each pair lands in the padded layout, with no rows to write (sonicmoe gathers them in its first
+// projection): a thread a pair. place_tokens_kernel, a block a token, kept 8 of 256 threads busy for sonicmoe's
+// 8 pairs a token and took 32 us at 24,576 tokens on the H200.
+__global__ void __launch_bounds__(kPlaceThreads)
+    place_pairs_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, int32_t* padded_pair) {
+  const int64_t P = a.tokens * a.top_k;
+  for (int64_t pair = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; pair < P;
+       pair += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t p = padded_row_of(a, r, pair);
+    pair_padded_row[pair] = static_cast<int32_t>(p);
+    if (p >= 0) padded_pair[p] = static_cast<int32_t>(pair);
+  }
+}
 
 // Where each pair lands in the padded layout, and (deepgemm) its row there, a token at a time: records each
 // of the token's pairs' padded row (pair_padded_row, -1 for a sentinel or invalid id, and padded_pair of that
@@ -161,80 +184,69 @@ __global__ void __launch_bounds__(kPlaceThreads)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row_bytes = kFp8 ? a.hidden : a.hidden * int64_t{sizeof(S)};
   const int64_t units = kFp8 ? a.hidden / 128 : row_bytes / 16;  // groups (FP8) or 16-byte pieces
-  // The padded row of pair `pair`, -1 for a sentinel or invalid id: its expert is its id (valid whenever the
-  // pair has a sorted row), so two rounds of loads, not a search of the expert offsets.
-  auto padded_of = [&](int64_t pair) -> int64_t {
-    const int32_t row = r.pair_row[pair];
-    const int64_t e = load_id(a, pair);  // loaded beside the row: out of range only where row < 0
-    if (row < 0) return -1;
-    return int64_t{r.tile_offsets[e]} * kBlockM + (row - r.offsets[e]);
-  };
   for (int64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) {
     for (int64_t k0 = 0; k0 < K; k0 += kPairsAtOnce) {
       const int64_t n = min(int64_t{kPairsAtOnce}, K - k0);
       if (threadIdx.x < n) {
         const int64_t pair = t * K + k0 + threadIdx.x;
-        const int64_t p = padded_of(pair);
+        const int64_t p = padded_row_of(a, r, pair);
         padded[threadIdx.x] = p;
         pair_padded_row[pair] = static_cast<int32_t>(p);
         if (p >= 0) padded_pair[p] = static_cast<int32_t>(pair);
       }
       __syncthreads();
-      if (rows) {
-        uint8_t* const out = static_cast<uint8_t*>(rows);
-        if constexpr (kFp8) {
-          // 16 values a lane, so a group is 8 lanes and a warp takes 4 groups: lane `lane` of warp `warp` holds
-          // values 16 (lane % 8) .. + 15 of group 4 warp + lane / 8 (+ 32 per pass), written as one 16-byte
-          // store of codes (a 4-byte store a lane wrote each row's 128 bytes in four times the instructions).
-          constexpr int kGroupsAtOnce = kWarps * 4;
-          for (int64_t g0 = 0; g0 < units; g0 += kGroupsAtOnce) {
-            const int64_t g = g0 + 4 * warp + lane / 8;
-            const bool in_row = g < units;  // not warp-uniform: every lane still quantises (zeros past the row)
-            uint4 raw[2] = {};
-            if (in_row) {
-              const auto* src =
-                  reinterpret_cast<const uint4*>(static_cast<const S*>(a.x) + t * a.hidden + g * 128 + (lane % 8) * 16);
-              raw[0] = __ldg(src);
-              raw[1] = __ldg(src + 1);
-            }
-            float x[16];
-            const S* v = reinterpret_cast<const S*>(raw);
-#pragma unroll
-            for (int i = 0; i < 16; ++i) x[i] = to_f(v[i]);
-            const float scale = quantize_group_values<16, 8>(x, a.ue8m0_scales);
-            uint32_t codes[4] = {};
-#pragma unroll
-            for (int i = 0; i < 16; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
-              codes[i / 4] |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3))
-                              << (8 * (i % 4));
-            const uint4 packed = make_uint4(codes[0], codes[1], codes[2], codes[3]);
-            if (in_row)
-              for (int64_t j = 0; j < n; ++j) {
-                const int64_t p = padded[j];
-                if (p < 0) continue;
-                reinterpret_cast<uint4*>(out + p * row_bytes + g * 128)[lane % 8] = packed;
-                if (lane % 8 == 0) row_scales[g * M + p] = scale;
-              }
+      uint8_t* const out = static_cast<uint8_t*>(rows);
+      if constexpr (kFp8) {
+        // 16 values a lane, so a group is 8 lanes and a warp takes 4 groups: lane `lane` of warp `warp` holds
+        // values 16 (lane % 8) .. + 15 of group 4 warp + lane / 8 (+ 32 per pass), written as one 16-byte
+        // store of codes (a 4-byte store a lane wrote each row's 128 bytes in four times the instructions).
+        constexpr int kGroupsAtOnce = kWarps * 4;
+        for (int64_t g0 = 0; g0 < units; g0 += kGroupsAtOnce) {
+          const int64_t g = g0 + 4 * warp + lane / 8;
+          const bool in_row = g < units;  // not warp-uniform: every lane still quantises (zeros past the row)
+          uint4 raw[2] = {};
+          if (in_row) {
+            const auto* src =
+                reinterpret_cast<const uint4*>(static_cast<const S*>(a.x) + t * a.hidden + g * 128 + (lane % 8) * 16);
+            raw[0] = __ldg(src);
+            raw[1] = __ldg(src + 1);
           }
-        } else {
-          for (int64_t v0 = threadIdx.x; v0 < units; v0 += int64_t{kPlaceThreads} * kChunk) {
-            uint4 value[kChunk];
+          float x[16];
+          const S* v = reinterpret_cast<const S*>(raw);
 #pragma unroll
-            for (int c = 0; c < kChunk; ++c) {
-              const int64_t v = v0 + int64_t{kPlaceThreads} * c;
-              value[c] =
-                  v < units
-                      ? __ldg(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.x) + t * row_bytes) + v)
-                      : uint4{};
-            }
+          for (int i = 0; i < 16; ++i) x[i] = to_f(v[i]);
+          const float scale = quantize_group_values<16, 8>(x, a.ue8m0_scales);
+          uint32_t codes[4] = {};
+#pragma unroll
+          for (int i = 0; i < 16; ++i)  // x[i] is exactly an e4m3 value: the conversion only encodes it
+            codes[i / 4] |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(x[i], __NV_SATFINITE, __NV_E4M3))
+                            << (8 * (i % 4));
+          const uint4 packed = make_uint4(codes[0], codes[1], codes[2], codes[3]);
+          if (in_row)
             for (int64_t j = 0; j < n; ++j) {
               const int64_t p = padded[j];
               if (p < 0) continue;
+              reinterpret_cast<uint4*>(out + p * row_bytes + g * 128)[lane % 8] = packed;
+              if (lane % 8 == 0) row_scales[g * M + p] = scale;
+            }
+        }
+      } else {
+        for (int64_t v0 = threadIdx.x; v0 < units; v0 += int64_t{kPlaceThreads} * kChunk) {
+          uint4 value[kChunk];
 #pragma unroll
-              for (int c = 0; c < kChunk; ++c) {
-                const int64_t v = v0 + int64_t{kPlaceThreads} * c;
-                if (v < units) reinterpret_cast<uint4*>(out + p * row_bytes)[v] = value[c];
-              }
+          for (int c = 0; c < kChunk; ++c) {
+            const int64_t v = v0 + int64_t{kPlaceThreads} * c;
+            value[c] = v < units
+                           ? __ldg(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.x) + t * row_bytes) + v)
+                           : uint4{};
+          }
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t p = padded[j];
+            if (p < 0) continue;
+#pragma unroll
+            for (int c = 0; c < kChunk; ++c) {
+              const int64_t v = v0 + int64_t{kPlaceThreads} * c;
+              if (v < units) reinterpret_cast<uint4*>(out + p * row_bytes)[v] = value[c];
             }
           }
         }
@@ -245,16 +257,16 @@ __global__ void __launch_bounds__(kPlaceThreads)
 }
 
 // The masked layout's tile offsets [G + 1]: the tiles of group g's first masked_m[g] rows (clamped to
-// [0, max_m]), 128 rows each. One thread, as routing's offsets_kernel: G is at most a few thousand.
-__global__ void masked_tile_offsets_kernel(const int32_t* masked_m, int64_t groups, int64_t max_m,
-                                           int32_t* tile_offsets) {
-  int32_t tiles = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    tile_offsets[g] = tiles;
-    const int64_t m = min(max(static_cast<int64_t>(masked_m[g]), int64_t{0}), max_m);
-    tiles += static_cast<int32_t>((m + kBlockM - 1) / kBlockM);
-  }
-  tile_offsets[groups] = tiles;
+// [0, max_m]), 128 rows each. One block, as routing's offsets_kernel.
+__global__ void __launch_bounds__(kScanThreads)
+    masked_tile_offsets_kernel(const int32_t* masked_m, int64_t groups, int64_t max_m, int32_t* tile_offsets) {
+  block_exclusive_sums(
+      groups,
+      [&](int64_t g) {
+        const int64_t m = min(max(static_cast<int64_t>(masked_m[g]), int64_t{0}), max_m);
+        return make_int2(0, static_cast<int32_t>((m + kBlockM - 1) / kBlockM));
+      },
+      [&](int64_t g, int2 before) { tile_offsets[g] = before.y; });
 }
 
 // Clusters of two blocks sharing weight tiles (the default); MOEKIT_DEEPGEMM_CLUSTER=1 in the environment
@@ -437,9 +449,13 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
   void* y = base + l.y;
   if (P > 0) {
     MOEKIT_CUDA_CHECK(cudaMemsetAsync(padded_pair, 0xFF, static_cast<std::size_t>(M) * 4, stream));  // -1: padding
-    place_tokens_kernel<T, kFp8>
-        <<<static_cast<unsigned>(std::min<int64_t>(a.tokens, 65535)), kPlaceThreads, 0, stream>>>(
-            a, r, pair_padded_row, padded_pair, rows, row_scales, M);
+    if (rows)
+      place_tokens_kernel<T, kFp8>
+          <<<static_cast<unsigned>(std::min<int64_t>(a.tokens, 65535)), kPlaceThreads, 0, stream>>>(
+              a, r, pair_padded_row, padded_pair, rows, row_scales, M);
+    else
+      place_pairs_kernel<<<static_cast<unsigned>(std::min<int64_t>((P + kPlaceThreads - 1) / kPlaceThreads, 65535)),
+                           kPlaceThreads, 0, stream>>>(a, r, pair_padded_row, padded_pair);
     MOEKIT_CUDA_CHECK_LAUNCH();
 
     // FP8 gated: the first projection writes the intermediate's e4m3 codes and scales itself.
@@ -578,7 +594,7 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
                  "* max_m / 128");
     MOEKIT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&masked_offsets),
                                       static_cast<std::size_t>(g.groups + 1) * sizeof(int32_t), stream));
-    masked_tile_offsets_kernel<<<1, 1, 0, stream>>>(g.masked_m, g.groups, g.max_m, masked_offsets);
+    masked_tile_offsets_kernel<<<1, kScanThreads, 0, stream>>>(g.masked_m, g.groups, g.max_m, masked_offsets);
     MOEKIT_CUDA_CHECK_LAUNCH();
   }
   const int32_t* tile_offsets = g.masked_m ? masked_offsets : g.tile_offsets;

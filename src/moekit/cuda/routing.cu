@@ -17,30 +17,42 @@ int key_bits(int64_t experts) {
   return bits;
 }
 
-// Sort keys: the expert, or E for a sentinel or invalid id, so those sort last.
+// Sort keys: the expert, or E for a sentinel or invalid id, so those sort last. With kBlockCounts each block counts
+// its pairs in shared memory and adds its nonzero counts once per expert: a global atomic per pair put P / E
+// atomics in a row on each address (40 us for 196,608 pairs over 128 experts on the H200).
+template <bool kBlockCounts>
 __global__ void make_keys_kernel(const ExpertsArgs a, uint32_t* keys, int32_t* pairs, int32_t* counts) {
-  const int64_t P = a.tokens * a.top_k;
+  extern __shared__ int32_t block_counts[];
+  const int64_t P = a.tokens * a.top_k, buckets = a.experts + 1;
+  if constexpr (kBlockCounts) {
+    for (int64_t e = threadIdx.x; e < buckets; e += blockDim.x) block_counts[e] = 0;
+    __syncthreads();
+  }
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < P; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t e = load_id(a, i);
     const auto bucket = static_cast<uint32_t>(e < 0 || e >= a.experts ? a.experts : e);
     keys[i] = bucket;
     pairs[i] = static_cast<int32_t>(i);
-    atomicAdd(&counts[bucket], 1);
+    atomicAdd(kBlockCounts ? &block_counts[bucket] : &counts[bucket], 1);
+  }
+  if constexpr (kBlockCounts) {
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < buckets; e += blockDim.x)
+      if (const int32_t c = block_counts[e]) atomicAdd(&counts[e], c);
   }
 }
 
-// One thread: E is at most a few thousand, and this is far below a microsecond per hundred experts.
-__global__ void offsets_kernel(const int32_t* counts, int64_t experts, int tile_rows, int32_t* offsets,
-                               int32_t* tile_offsets) {
-  int32_t rows = 0, tiles = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    offsets[e] = rows;
-    tile_offsets[e] = tiles;
-    rows += counts[e];
-    tiles += (counts[e] + tile_rows - 1) / tile_rows;
-  }
-  offsets[experts] = rows;
-  tile_offsets[experts] = tiles;
+constexpr int kKeysThreads = 256, kKeysPerThread = 4;
+constexpr std::size_t kMaxBlockCountBytes = 48 * 1024;  // without opting in to more shared memory
+
+__global__ void __launch_bounds__(kScanThreads)
+    offsets_kernel(const int32_t* counts, int64_t experts, int tile_rows, int32_t* offsets, int32_t* tile_offsets) {
+  block_exclusive_sums(
+      experts, [&](int64_t e) { return make_int2(counts[e], (counts[e] + tile_rows - 1) / tile_rows); },
+      [&](int64_t e, int2 before) {
+        offsets[e] = before.x;
+        tile_offsets[e] = before.y;
+      });
 }
 
 __global__ void inverse_kernel(int64_t pairs, const int32_t* sorted_pairs, const int32_t* offsets, int64_t experts,
@@ -107,10 +119,16 @@ void route_on_device(const ExpertsArgs& a, int tile_rows, void* workspace, Devic
   MOEKIT_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<std::size_t>(E + 1) * 4, stream));
   const int blocks = static_cast<int>(std::min<int64_t>((P + 255) / 256, 4096));
   if (P > 0) {
-    make_keys_kernel<<<blocks, 256, 0, stream>>>(a, keys_in, pairs_in, counts);
+    const auto count_bytes = static_cast<std::size_t>(E + 1) * sizeof(int32_t);
+    const int key_blocks = static_cast<int>(
+        std::min<int64_t>((P + kKeysThreads * kKeysPerThread - 1) / (kKeysThreads * kKeysPerThread), 1024));
+    if (count_bytes <= kMaxBlockCountBytes)
+      make_keys_kernel<true><<<key_blocks, kKeysThreads, count_bytes, stream>>>(a, keys_in, pairs_in, counts);
+    else
+      make_keys_kernel<false><<<blocks, kKeysThreads, 0, stream>>>(a, keys_in, pairs_in, counts);
     MOEKIT_CUDA_CHECK_LAUNCH();
   }
-  offsets_kernel<<<1, 1, 0, stream>>>(counts, E, tile_rows, r.offsets, r.tile_offsets);
+  offsets_kernel<<<1, kScanThreads, 0, stream>>>(counts, E, tile_rows, r.offsets, r.tile_offsets);
   MOEKIT_CUDA_CHECK_LAUNCH();
   if (P == 0) return;
   std::size_t temp = l.total - l.sort_temp;

@@ -7,6 +7,10 @@
 
 #include "moekit/cuda/experts_cuda.h"
 
+#ifdef __CUDACC__
+#include <cub/block/block_scan.cuh>
+#endif
+
 namespace moekit::cuda {
 
 struct DeviceRouting {
@@ -23,6 +27,30 @@ std::size_t routing_workspace_bytes(int64_t pairs, int64_t experts);
 void route_on_device(const ExpertsArgs& a, int tile_rows, void* workspace, DeviceRouting& r, cudaStream_t stream);
 
 #ifdef __CUDACC__
+constexpr int kScanThreads = 256;  // block_exclusive_sums' block (1,024 spilled: 64 registers a thread)
+
+// Exclusive prefix sums of two counts per item over items [0, n), by one block of kScanThreads threads: each
+// thread takes a run of consecutive items and cub::BlockScan the runs' totals. count(i) gives item i's two
+// counts (int2); store(i, sums) receives the sums over the items before i, for i in [0, n] (store(n, ...) the
+// totals). A serial loop over E = 256 experts' counts took 27 us: a dependent global load an expert.
+template <typename Count, typename Store>
+__device__ void block_exclusive_sums(int64_t n, Count count, Store store) {
+  using Scan = cub::BlockScan<int2, kScanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const auto add = [](int2 x, int2 y) { return make_int2(x.x + y.x, x.y + y.y); };
+  const int64_t run = (n + kScanThreads - 1) / kScanThreads;
+  const int64_t first = threadIdx.x * run, last = min(first + run, n);
+  int2 total = make_int2(0, 0);
+  for (int64_t i = first; i < last; ++i) total = add(total, count(i));
+  int2 before, all;
+  Scan(scan_storage).ExclusiveScan(total, before, make_int2(0, 0), add, all);
+  for (int64_t i = first; i < last; ++i) {
+    store(i, before);
+    before = add(before, count(i));
+  }
+  if (threadIdx.x == 0) store(n, all);
+}
+
 // The last e in [lo, hi] with starts[e] <= index, given starts[lo] <= index.
 __device__ __forceinline__ int64_t last_start_at_most(const int32_t* starts, int64_t lo, int64_t hi, int64_t index) {
   while (lo < hi) {
