@@ -172,23 +172,36 @@ __global__ void __launch_bounds__(kPlaceThreads)
 // does. One block a token (grid.x strides over them) writes the whole row: 16-byte pieces a thread, kChunk of
 // them at a time so that as many loads are in flight, or (FP8) 16 values a lane, 8 lanes a 128-wide group. Reading each
 // token once, not once per pair, and no quantised copy of x in between: DeepSeek-V3 at 16,384 tokens read x (235 MB) 8
-// times.
+// times. With FP8 and rows of fewer than kPlaceGroups groups a block takes `tokens_at_once` tokens
+// (place_tokens_at_once), so that all its warps quantise: a token a block left half of them idle at H = 2,048.
+constexpr int kPlaceWarps = kPlaceThreads / 32, kPlaceGroups = kPlaceWarps * 4, kPlacePairs = kPlaceThreads;
+
+// Tokens a block of place_tokens_kernel takes: 1, or with FP8 as many as fill its kPlaceGroups groups (their pairs
+// at most kPlacePairs, recorded in one pass).
+int place_tokens_at_once(const ExpertsArgs& a, bool fp8) {
+  const int64_t groups = a.hidden / 128;
+  if (!fp8 || groups >= kPlaceGroups || a.top_k > 32) return 1;
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min(kPlaceGroups / std::max<int64_t>(groups, 1), kPlacePairs / a.top_k)));
+}
+
 template <typename S, bool kFp8>
 __global__ void __launch_bounds__(kPlaceThreads)
     place_tokens_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, int32_t* padded_pair,
-                        void* rows, float* row_scales, int64_t M) {
-  constexpr int kPairsAtOnce = 32, kChunk = 4, kWarps = kPlaceThreads / 32;
+                        void* rows, float* row_scales, int64_t M, int tokens_at_once) {
+  constexpr int kPairsAtOnce = 32, kChunk = 4;
   static_assert(!kFp8 || sizeof(S) == 2, "FP8 rows are read as four 2-byte values a lane (8 bytes)");
-  __shared__ int64_t padded[kPairsAtOnce];
+  __shared__ int64_t padded[kPlacePairs];
   const int64_t K = a.top_k;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row_bytes = kFp8 ? a.hidden : a.hidden * int64_t{sizeof(S)};
   const int64_t units = kFp8 ? a.hidden / 128 : row_bytes / 16;  // groups (FP8) or 16-byte pieces
-  for (int64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) {
+  for (int64_t t0 = blockIdx.x * int64_t{tokens_at_once}; t0 < a.tokens; t0 += int64_t{gridDim.x} * tokens_at_once) {
+    const int64_t tokens = min(int64_t{tokens_at_once}, a.tokens - t0);  // this round's; K <= 32 when more than 1
     for (int64_t k0 = 0; k0 < K; k0 += kPairsAtOnce) {
       const int64_t n = min(int64_t{kPairsAtOnce}, K - k0);
-      if (threadIdx.x < n) {
-        const int64_t pair = t * K + k0 + threadIdx.x;
+      if (threadIdx.x < tokens * n) {  // entry tk * n + j: pair k0 + j of token t0 + tk
+        const int64_t pair = (t0 + threadIdx.x / n) * K + k0 + threadIdx.x % n;
         const int64_t p = padded_row_of(a, r, pair);
         padded[threadIdx.x] = p;
         pair_padded_row[pair] = static_cast<int32_t>(p);
@@ -198,12 +211,14 @@ __global__ void __launch_bounds__(kPlaceThreads)
       uint8_t* const out = static_cast<uint8_t*>(rows);
       if constexpr (kFp8) {
         // 16 values a lane, so a group is 8 lanes and a warp takes 4 groups: lane `lane` of warp `warp` holds
-        // values 16 (lane % 8) .. + 15 of group 4 warp + lane / 8 (+ 32 per pass), written as one 16-byte
-        // store of codes (a 4-byte store a lane wrote each row's 128 bytes in four times the instructions).
-        constexpr int kGroupsAtOnce = kWarps * 4;
-        for (int64_t g0 = 0; g0 < units; g0 += kGroupsAtOnce) {
-          const int64_t g = g0 + 4 * warp + lane / 8;
-          const bool in_row = g < units;  // not warp-uniform: every lane still quantises (zeros past the row)
+        // values 16 (lane % 8) .. + 15 of item 4 warp + lane / 8 (+ kPlaceGroups per pass), item tk * units + g
+        // being group g of token t0 + tk, written as one 16-byte store of codes (a 4-byte store a lane wrote each
+        // row's 128 bytes in four times the instructions).
+        const int64_t items = tokens * units;
+        for (int64_t i0 = 0; i0 < items; i0 += kPlaceGroups) {
+          const int64_t item = i0 + 4 * warp + lane / 8, tk = item / units, g = item % units, t = t0 + tk;
+          const bool in_row = item < items;  // not warp-uniform: every lane still quantises (zeros past the row)
+          const int64_t* const token_padded = padded + tk * n;
           uint4 raw[2] = {};
           if (in_row) {
             const auto* src =
@@ -224,13 +239,14 @@ __global__ void __launch_bounds__(kPlaceThreads)
           const uint4 packed = make_uint4(codes[0], codes[1], codes[2], codes[3]);
           if (in_row)
             for (int64_t j = 0; j < n; ++j) {
-              const int64_t p = padded[j];
+              const int64_t p = token_padded[j];
               if (p < 0) continue;
               reinterpret_cast<uint4*>(out + p * row_bytes + g * 128)[lane % 8] = packed;
               if (lane % 8 == 0) row_scales[g * M + p] = scale;
             }
         }
-      } else {
+      } else {  // tokens_at_once is 1
+        const int64_t t = t0;
         for (int64_t v0 = threadIdx.x; v0 < units; v0 += int64_t{kPlaceThreads} * kChunk) {
           uint4 value[kChunk];
 #pragma unroll
@@ -449,13 +465,15 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
   void* y = base + l.y;
   if (P > 0) {
     MOEKIT_CUDA_CHECK(cudaMemsetAsync(padded_pair, 0xFF, static_cast<std::size_t>(M) * 4, stream));  // -1: padding
-    if (rows)
+    if (rows) {
+      const int at_once = place_tokens_at_once(a, kFp8);
       place_tokens_kernel<T, kFp8>
-          <<<static_cast<unsigned>(std::min<int64_t>(a.tokens, 65535)), kPlaceThreads, 0, stream>>>(
-              a, r, pair_padded_row, padded_pair, rows, row_scales, M);
-    else
+          <<<static_cast<unsigned>(std::min<int64_t>((a.tokens + at_once - 1) / at_once, 65535)), kPlaceThreads, 0,
+             stream>>>(a, r, pair_padded_row, padded_pair, rows, row_scales, M, at_once);
+    } else {
       place_pairs_kernel<<<static_cast<unsigned>(std::min<int64_t>((P + kPlaceThreads - 1) / kPlaceThreads, 65535)),
                            kPlaceThreads, 0, stream>>>(a, r, pair_padded_row, padded_pair);
+    }
     MOEKIT_CUDA_CHECK_LAUNCH();
 
     // FP8 gated: the first projection writes the intermediate's e4m3 codes and scales itself.
