@@ -32,7 +32,7 @@ constexpr int kScanThreads = 256;  // block_exclusive_sums' block (1,024 spilled
 // Exclusive prefix sums of two counts per item over items [0, n), by one block of kScanThreads threads: each
 // thread takes a run of consecutive items and cub::BlockScan the runs' totals. count(i) gives item i's two
 // counts (int2); store(i, sums) receives the sums over the items before i, for i in [0, n] (store(n, ...) the
-// totals). A serial loop over E = 256 experts' counts took 27 us: a dependent global load an expert.
+// totals). A thread walking the counts took 13.6 us at 128 experts on the H200: a dependent global load an expert.
 template <typename Count, typename Store>
 __device__ void block_exclusive_sums(int64_t n, Count count, Store store) {
   using Scan = cub::BlockScan<int2, kScanThreads>;
