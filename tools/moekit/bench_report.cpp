@@ -95,6 +95,7 @@ nlohmann::ordered_json row_to_json(const BenchRow& row) {
     j["max_ms"] = row.max_ms;
     j["runs"] = row.runs;
     j["warmup_runs"] = row.warmup_runs;
+    if (row.host_enqueue_ms > 0) j["host_enqueue_ms"] = row.host_enqueue_ms;
     j["flops_per_second"] = row.flops / seconds(row.median_ms);
     j["floor_gb_per_second"] = floor_gbs(row);
     j["floor_percent"] = floor_percent(row);

@@ -37,6 +37,7 @@ struct BenchRow {
   double max_ms = 0;
   int runs = 0;
   int warmup_runs = 0;
+  double host_enqueue_ms = 0;  // GPU: median host time to enqueue a timed call (0: not measured, as on the CPU)
 
   // What the call had to do (DESIGN §7); known for every row, timed or not.
   double routed_pairs = 0;      // (token, slot) pairs with an id < E

@@ -696,12 +696,18 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
     if (o_.graphs)
       graph = std::make_unique<CapturedGraph>(
           *stream_, [&] { experts_forward(problem, name, out, stream_->stream(), workspace); });
+    // On a GPU, the host's part of each call too: what it takes to enqueue the call's work. Each timed call starts
+    // on an idle GPU, so where this approaches the call's time the kernels wait for their launches.
+    std::vector<double> host_ms;
     const auto run_once = [&] {
       timer.start();
+      const auto enqueue_start = std::chrono::steady_clock::now();
       if (graph)
         graph->replay();
       else
         experts_forward(problem, name, out, stream_->stream(), workspace);
+      host_ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - enqueue_start).count());
       timer.stop();
       return timer.elapsed_ms();
     };
@@ -709,6 +715,8 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
     const double predicted_ms =
         prev == previous_.end() ? 0.0 : prev->second.first * std::max(1.0, row.routed_pairs / prev->second.second);
     time_case(run_once, TimingPlan{o_.warmup, o_.repeats, o_.max_seconds_per_case * 1e3}, predicted_ms, row);
+    if (device_.is_cuda() && row.runs > 0 && host_ms.size() >= static_cast<std::size_t>(row.runs))
+      row.host_enqueue_ms = median(std::vector<double>(host_ms.end() - row.runs, host_ms.end()));  // the timed calls
     previous_[name] = {row.median_ms, std::max(1.0, row.routed_pairs)};
   } catch (const std::exception& e) {
     row.status = RowStatus::failed;
