@@ -174,13 +174,15 @@ __global__ void __launch_bounds__(kPlaceThreads)
 // token once, not once per pair, and no quantised copy of x in between: DeepSeek-V3 at 16,384 tokens read x (235 MB) 8
 // times. With FP8 and rows of fewer than kPlaceGroups groups a block takes `tokens_at_once` tokens
 // (place_tokens_at_once), so that all its warps quantise: a token a block left half of them idle at H = 2,048.
-constexpr int kPlaceWarps = kPlaceThreads / 32, kPlaceGroups = kPlaceWarps * 4, kPlacePairs = kPlaceThreads;
+// A token's pairs are recorded kPlacePairsAtOnce at a time (one pass when its top_k is at most that).
+constexpr int kPlaceWarps = kPlaceThreads / 32, kPlaceGroups = kPlaceWarps * 4, kPlacePairs = kPlaceThreads,
+              kPlacePairsAtOnce = 32;
 
 // Tokens a block of place_tokens_kernel takes: 1, or with FP8 as many as fill its kPlaceGroups groups (their pairs
 // at most kPlacePairs, recorded in one pass).
 int place_tokens_at_once(const ExpertsArgs& a, bool fp8) {
   const int64_t groups = a.hidden / 128;
-  if (!fp8 || groups >= kPlaceGroups || a.top_k > 32) return 1;
+  if (!fp8 || groups >= kPlaceGroups || a.top_k > kPlacePairsAtOnce) return 1;
   return static_cast<int>(
       std::max<int64_t>(1, std::min(kPlaceGroups / std::max<int64_t>(groups, 1), kPlacePairs / a.top_k)));
 }
@@ -189,7 +191,7 @@ template <typename S, bool kFp8>
 __global__ void __launch_bounds__(kPlaceThreads)
     place_tokens_kernel(const ExpertsArgs a, const DeviceRouting r, int32_t* pair_padded_row, int32_t* padded_pair,
                         void* rows, float* row_scales, int64_t M, int tokens_at_once) {
-  constexpr int kPairsAtOnce = 32, kChunk = 4;
+  constexpr int kChunk = 4;
   static_assert(!kFp8 || sizeof(S) == 2, "FP8 rows are read as four 2-byte values a lane (8 bytes)");
   __shared__ int64_t padded[kPlacePairs];
   const int64_t K = a.top_k;
@@ -197,9 +199,10 @@ __global__ void __launch_bounds__(kPlaceThreads)
   const int64_t row_bytes = kFp8 ? a.hidden : a.hidden * int64_t{sizeof(S)};
   const int64_t units = kFp8 ? a.hidden / 128 : row_bytes / 16;  // groups (FP8) or 16-byte pieces
   for (int64_t t0 = blockIdx.x * int64_t{tokens_at_once}; t0 < a.tokens; t0 += int64_t{gridDim.x} * tokens_at_once) {
-    const int64_t tokens = min(int64_t{tokens_at_once}, a.tokens - t0);  // this round's; K <= 32 when more than 1
-    for (int64_t k0 = 0; k0 < K; k0 += kPairsAtOnce) {
-      const int64_t n = min(int64_t{kPairsAtOnce}, K - k0);
+    // This round's tokens; when more than 1, their pairs take one pass (top_k <= kPlacePairsAtOnce).
+    const int64_t tokens = min(int64_t{tokens_at_once}, a.tokens - t0);
+    for (int64_t k0 = 0; k0 < K; k0 += kPlacePairsAtOnce) {
+      const int64_t n = min(int64_t{kPlacePairsAtOnce}, K - k0);
       if (threadIdx.x < tokens * n) {  // entry tk * n + j: pair k0 + j of token t0 + tk
         const int64_t pair = (t0 + threadIdx.x / n) * K + k0 + threadIdx.x % n;
         const int64_t p = padded_row_of(a, r, pair);
