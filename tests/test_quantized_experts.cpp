@@ -309,7 +309,8 @@ TEST(Fp4AsF16, PowersOfTwoAndTheActivationOrder) {
 // The FP8 epilogue's division by an activation scale (amax / 448, at least FLT_MIN) must round as the division
 // does where it decides the e4m3 code: quantize_rows divides, and both write the same codes, signed zeros
 // included (a -0 value has the code 0x80). Checked on amax over the whole float range (scales below
-// kSmallestReciprocalScale take the division) and values of the row, zeros of both signs among them.
+// kSmallestReciprocalScale are taken up by 2^64 with their values) and values of the row, zeros of both signs among
+// them.
 TEST(ScaleDivision, RoundsAsTheDivisionOnActivationScales) {
   std::mt19937_64 random(7);
   auto from_bits = [](uint32_t b) {
@@ -333,7 +334,7 @@ TEST(ScaleDivision, RoundsAsTheDivisionOnActivationScales) {
                                      : from_bits((bits & 0x807fffffu) | ((bits >> 8) % (exponent + 1)) << 23);
     if (std::fabs(value) > amax) continue;
     const float reciprocal = cuda::scale_reciprocal(scale);
-    const float quotient = value / scale, got = cuda::divide_by_scale(value, scale, reciprocal);
+    const float quotient = value / scale, got = cuda::divide_by_scale(value, cuda::scale_divisor(scale));
     ++checked;
     product_differs += value * reciprocal != quotient;
     // The code is what must agree; the quotients themselves do, except below 2^-10, where the residual may be

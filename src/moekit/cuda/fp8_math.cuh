@@ -46,9 +46,10 @@ __device__ __forceinline__ float quantize_group_values(float (&v)[N], bool power
   for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const float scale = activation_scale(amax, power_of_two), reciprocal = scale_reciprocal(scale);
+  const float scale = activation_scale(amax, power_of_two);
+  const ScaleDivisor divisor = scale_divisor(scale);
 #pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = e4m3_value(divide_by_scale(v[i], scale, reciprocal));
+  for (int i = 0; i < N; ++i) v[i] = e4m3_value(divide_by_scale(v[i], divisor));
   return scale;
 }
 

@@ -21,15 +21,14 @@
 // kernel); the gated first projection's epilogue quantises its outputs into e4m3 codes and scales
 // (gated_quantized), the ungated one stores float, which a separate pass quantises. FP8 tiles are 128 wide, or
 // 192 (the second projection: hopper_experts.cu's kTileN), whose columns cross a 128-row block of weight scales.
-// Epilogues with 2-byte outputs (both projections in bf16/f16, FP8's second) write each warpgroup's rows to a
-// shared-memory buffer and go on to the next tile while warps 1-3 of the producer warpgroup copy them out
-// (staged_epilogue, named barriers 3-6); with kGatherA, and for FP8's float rows, the math warpgroups store
-// them themselves (2-byte outputs in 16-byte row pieces, store_group_pair).
-// A math warpgroup whose rows are all padding (or past masked_m) issues no wgmma: its warps only pass the
-// stages on, meeting at a named barrier before each release (1 + math) so that none drifts behind.
-// Built with MOEKIT_HOPPER_WATCHDOG=1, a pipeline wait that lasts seconds reports where it is and traps.
-// CUTLASS/CuTe supply the instruction wrappers (TMA copies, mbarriers, wgmma, register
-// reconfiguration); the schedule, the fused epilogues and the layouts are ours.
+// Epilogues with 2-byte outputs (both projections in bf16/f16, FP8's second) and FP8's gated e4m3 codes write each
+// warpgroup's rows to a shared-memory buffer and go on to the next tile while warps 1-3 of the producer warpgroup
+// copy them out (staged_epilogue, named barriers 3-6); with kGatherA, and for FP8's float rows, the math warpgroups
+// store them themselves (2-byte outputs in 16-byte row pieces, store_group_pair). A math warpgroup whose rows are all
+// padding (or past masked_m) issues no wgmma: its warps only pass the stages on, meeting at a named barrier before each
+// release (1 + math) so that none drifts behind. Built with MOEKIT_HOPPER_WATCHDOG=1, a pipeline wait that lasts
+// seconds reports where it is and traps. CUTLASS/CuTe supply the instruction wrappers (TMA copies, mbarriers, wgmma,
+// register reconfiguration); the schedule, the fused epilogues and the layouts are ours.
 #pragma once
 
 #include <cuda.h>
@@ -208,18 +207,26 @@ constexpr int kOutCols = kGated<kEpi> ? BN / 2 : BN;
 // down 418 -> 523; bf16 Qwen3 down 234 -> 200 us. FP8's first projection wrote float rows, twice the bytes,
 // and staged them slower (814 -> 732-736); gated, it now writes e4m3 codes (gated_quantized), and the ungated
 // activation epilogue is not staged. Nor is any with kGatherA, whose producer warps all gather.
+//
+// FP8's gated first projection (gated_quantized) stages its e4m3 codes too: a row's 128 codes of a group take the
+// place of 64 2-byte outputs. Storing them itself, 2 bytes a thread per instruction, each store's register held
+// until the store had read it, its math warps waited 9% of the kernel's samples on those stores (ncu, Qwen3 gate+up
+// at m 512; the whole epilogue took 39% of the math warps' samples, and the GEMM ran 1.45x as fast without it).
 template <bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr bool staged_epilogue() {
-  return !kGatherA && (kEpi == Epilogue::store_rows || (!kFp8 && kEpi == Epilogue::gated_activation));
+  return !kGatherA && (kEpi == Epilogue::store_rows || kEpi == Epilogue::gated_quantized ||
+                       (!kFp8 && kEpi == Epilogue::gated_activation));
 }
 // gated_quantized: each math warpgroup keeps the first tile's activated values (BN / 4 a thread) until the second.
 template <int BN>
 constexpr int kStashBytes = BN / 4 * 128 * 4;
-// Shared memory of the epilogues: the staging buffers, or gated_quantized's stashes.
+template <int BN, Epilogue kEpi>
+constexpr int kEpilogueStashBytes = kEpi == Epilogue::gated_quantized ? kMathGroups* kStashBytes<BN> : 0;
+// Shared memory of the epilogues: the staging buffers, then gated_quantized's stashes.
 template <int BN, bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr int staged_epilogue_bytes() {
-  if (kEpi == Epilogue::gated_quantized) return kMathGroups * kStashBytes<BN>;
-  return staged_epilogue<kFp8, kEpi, kGatherA>() ? kMathGroups * kStagedBytes<kOutCols<BN, kEpi>> : 0;
+  return (staged_epilogue<kFp8, kEpi, kGatherA>() ? kMathGroups * kStagedBytes<kOutCols<BN, kEpi>> : 0) +
+         kEpilogueStashBytes<BN, kEpi>;
 }
 // The dynamic shared memory a block may use, and what a pipeline of kStages takes: the stages (their base is
 // aligned to the swizzle atom's 1 KB by the declaration), the staging buffers and the full/empty barriers.
@@ -392,18 +399,37 @@ __device__ __forceinline__ float2 bias_pair(uint32_t b) {
 
 // act(gate) * up of accumulator pair i (< BN / 4) of a gated tile: columns j and j + 1 of the intermediate, with
 // the biases (bias: the expert's [2I] gate/up biases, or null).
+// The gate and up values of accumulator pair i, with the biases (bias: the expert's [2I] gate/up biases, or null).
 template <typename T, int BN>
-__device__ __forceinline__ float2 gated_pair(const ExpertsArgs& a, const float* acc, const T* bias, bool is_silu,
-                                             int64_t j, int i) {
+__device__ __forceinline__ float4 gate_up_pair(const ExpertsArgs& a, const float* acc, const T* bias, int64_t j,
+                                               int i) {
   constexpr int kHalf = BN / 4;  // accumulator index of the up column paired with a gate column
   float g0 = acc[i], g1 = acc[i + 1], u0 = acc[i + kHalf], u1 = acc[i + 1 + kHalf];
   if (bias) {
     g0 += to_f(bias[gate_col(a, j)]), g1 += to_f(bias[gate_col(a, j + 1)]);
     u0 += to_f(bias[up_col(a, j)]), u1 += to_f(bias[up_col(a, j + 1)]);
   }
-  // SiLU, the common case, inline (activate's arithmetic); the others through the call.
-  return is_silu ? make_float2(silu(g0) * u0, silu(g1) * u1)
-                 : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g0, u0, g1, u1);
+  return make_float4(g0, g1, u0, u1);
+}
+// SiLU, the common case, inline (activate's arithmetic); the others through the call. The biases are added once,
+// before the choice: added in each arm, the bf16 gated kernels grew by a third (5,312 -> 7,064 instructions) and
+// their DeepSeek-V3 layer ran 7% slower.
+template <typename T, int BN>
+__device__ __forceinline__ float2 gated_pair(const ExpertsArgs& a, const float* acc, const T* bias, bool is_silu,
+                                             int64_t j, int i) {
+  const float4 v = gate_up_pair<T, BN>(a, acc, bias, j, i);
+  return is_silu ? make_float2(silu(v.x) * v.z, silu(v.y) * v.w)
+                 : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v.x, v.z, v.y, v.w);
+}
+// The same with the activation chosen at compile time (kSilu: SiLU), for epilogues that choose it once a tile.
+template <typename T, int BN, bool kSilu>
+__device__ __forceinline__ float2 gated_pair_as(const ExpertsArgs& a, const float* acc, const T* bias, int64_t j,
+                                                int i) {
+  const float4 v = gate_up_pair<T, BN>(a, acc, bias, j, i);
+  if constexpr (kSilu)
+    return make_float2(silu(v.x) * v.z, silu(v.y) * v.w);
+  else
+    return activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v.x, v.z, v.y, v.w);
 }
 
 // FP8's gated first projection quantised in its epilogue (Epilogue::gated_quantized), in place of float rows
@@ -412,22 +438,33 @@ __device__ __forceinline__ float2 gated_pair(const ExpertsArgs& a, const float* 
 // `stash` (value v of thread t at [v][t]: no bank conflicts, and no barrier, since each thread reads only
 // its own); after the second, a quad holds a row's 128 values, so two shuffles give the row's largest
 // magnitude, and each value becomes the e4m3 code of value / scale: bit for bit what quantize_rows writes
-// from the float rows (the same activated floats, scale and rounding).
+// from the float rows (the same activated floats, scale and rounding). The codes go to the warpgroup's staging
+// buffer (`staged`: 64 rows of 128 codes), which the copying warps store; the scales go straight to out_scales.
+// The activation, and whether there are biases, are chosen once for the tile: chosen per pair, the branches and the
+// call's set-up split the unrolled loop into pieces that missed the instruction cache.
 template <typename T, int BN>
 __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, const float* acc, int64_t expert,
-                                                         int64_t tile_row, int n_block, int math, float* stash) {
+                                                         int64_t tile_row, int n_block, int math, float* stash,
+                                                         uint8_t* staged) {
   constexpr int kHalf = BN / 4;
   const ExpertsArgs& a = p.a;
   const int thread = threadIdx.x % 128, warp = thread / 32, lane = threadIdx.x % 32;
   const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * 2 * a.intermediate : nullptr;
-  const bool is_silu = a.act == Act::silu;
   const int64_t col_base = int64_t{n_block} * (BN / 2);
   float h[kHalf];
+  auto activate_tile = [&]<bool kSilu, bool kBias>() {
 #pragma unroll
-  for (int i = 0; i < kHalf; i += 2) {
-    const float2 v = gated_pair<T, BN>(a, acc, bias, is_silu, col_base + acc_col(lane, i), i);
-    h[i] = v.x, h[i + 1] = v.y;
-  }
+    for (int i = 0; i < kHalf; i += 2) {
+      const float2 v = gated_pair_as<T, BN, kSilu>(a, acc, kBias ? bias : nullptr, col_base + acc_col(lane, i), i);
+      h[i] = v.x, h[i + 1] = v.y;
+    }
+  };
+  if (a.act == Act::silu && !bias)
+    activate_tile.template operator()<true, false>();
+  else if (a.act == Act::silu)
+    activate_tile.template operator()<true, true>();
+  else
+    activate_tile.template operator()<false, true>();
   if (n_block % 2 == 0) {
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) stash[i * 128 + thread] = h[i];
@@ -447,22 +484,21 @@ __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, co
       amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], offset));
     scale[r] = activation_scale(amax[r], a.ue8m0_scales);
   }
-  const float reciprocal[2] = {scale_reciprocal(scale[0]), scale_reciprocal(scale[1])};
+  const ScaleDivisor divisor[2] = {scale_divisor(scale[0]), scale_divisor(scale[1])};
   // Two codes in one conversion (round to nearest even, saturating: what e4m3_value rounds to), .x in the low
   // byte, of the quotients rounded as quantize_rows' divisions round them.
   auto codes2 = [&](float v0, float v1, int r) {
-    const float2 q =
-        make_float2(divide_by_scale(v0, scale[r], reciprocal[r]), divide_by_scale(v1, scale[r], reciprocal[r]));
+    const float2 q = make_float2(divide_by_scale(v0, divisor[r]), divide_by_scale(v1, divisor[r]));
     return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
   };
   const int64_t group = n_block / 2, row_base = tile_row + math * 64;
-  auto* codes = static_cast<uint8_t*>(p.out);
+  static_assert(kStagedPitch<BN / 2> == 128 + 16, "a staged row holds a group's 128 codes");
 #pragma unroll
   for (int i = 0; i < kHalf; i += 2) {
     const int r = (i >> 1) & 1;
-    const int64_t row = row_base + acc_row(warp, lane, i), col = group * 128 + acc_col(lane, i);
-    *reinterpret_cast<uint16_t*>(codes + row * p.outputs + col) = codes2(first[i], first[i + 1], r);
-    *reinterpret_cast<uint16_t*>(codes + row * p.outputs + col + 64) = codes2(h[i], h[i + 1], r);
+    uint8_t* const at = staged + acc_row(warp, lane, i) * kStagedPitch<BN / 2> + acc_col(lane, i);
+    *reinterpret_cast<uint16_t*>(at) = codes2(first[i], first[i + 1], r);
+    *reinterpret_cast<uint16_t*>(at + 64) = codes2(h[i], h[i + 1], r);
   }
   if (lane % 4 == 0)
 #pragma unroll
@@ -549,22 +585,23 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
 }
 
 // The copying warps' half of a staged epilogue: warpgroup math's 64 rows of the tile, 16 bytes a thread,
-// from its staging buffer to out (columns past `outputs`, a multiple of 8, are not stored). kCopyThreads is a
+// from its staging buffer to `out`, rows of `outputs` elements O from row `tile_row` + 64 math and column
+// `col_base` on (columns past `outputs`, a multiple of 8, are not stored). kCopyThreads is a
 // multiple of a row's 16-byte chunks, so each thread keeps one chunk and steps kRowStep rows at a time; its
 // loads from the buffer go out kBatch at a time before their stores (one load, then its store, in turn left the
 // math warpgroups waiting for their buffers: 12% of their time in the down projection of SonicMoE's I = 256 shape).
 template <typename O, int kCols>
-__device__ __forceinline__ void copy_staged(const GemmParams& p, const uint8_t* staged, int64_t tile_row, int math,
-                                            int64_t col_base, int copier) {
+__device__ __forceinline__ void copy_staged(O* out_rows, int64_t outputs, const uint8_t* staged, int64_t tile_row,
+                                            int math, int64_t col_base, int copier) {
   constexpr int kChunks = kCols * static_cast<int>(sizeof(O)) / 16, kPerChunk = 16 / static_cast<int>(sizeof(O));
   static_assert(kChunks * 16 == kStagedPitch<kCols> - 16, "a staged row holds kCols outputs");
   static_assert(kCopyThreads % kChunks == 0, "each copying thread keeps one 16-byte chunk of the rows");
   constexpr int kRowStep = kCopyThreads / kChunks, kSteps = (64 + kRowStep - 1) / kRowStep, kBatch = 4;
   const int chunk = copier % kChunks, first = copier / kChunks;
   const int64_t col = col_base + chunk * kPerChunk;
-  if (col >= p.outputs) return;
-  O* const out = static_cast<O*>(p.out) + (tile_row + math * 64 + first) * p.outputs + col;
-  const int64_t out_step = kRowStep * p.outputs;
+  if (col >= outputs) return;
+  O* const out = out_rows + (tile_row + math * 64 + first) * outputs + col;
+  const int64_t out_step = kRowStep * outputs;
   const uint8_t* const in = staged + first * kStagedPitch<kCols> + chunk * 16;
 #pragma unroll
   for (int s0 = 0; s0 < kSteps; s0 += kBatch) {
@@ -601,6 +638,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kEpi != Epilogue::gated_quantized || (kFp8 && BN == 128), "gated_quantized: FP8 tiles of 64 outputs");
   using In = std::conditional_t<kFp8, f8_e4m3, T>;  // operand type
   using Out = std::conditional_t<kFp8 && kEpi != Epilogue::store_rows, float, T>;
+  // What the copying warps store: the 2-byte outputs, or gated_quantized's e4m3 codes two at a time.
+  using Staged = std::conditional_t<kEpi == Epilogue::gated_quantized, uint16_t, Out>;
   constexpr int kHalfRows = BN / 2;  // the weight tile is copied as two halves (gated: gate rows, up rows)
   constexpr int kABytes = kBlockM * kRowBytes, kHalfBytes = kHalfRows * kRowBytes;
   constexpr int kStageBytes = stage_bytes<BN, kFp8>();
@@ -637,10 +676,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // reconfiguration (setmaxnreg), ptxas kept it in local memory.
   auto unit_count = [&] { return (m_tiles + kCluster - 1) / kCluster * p.n_blocks; };
   const int64_t first_unit = blockIdx.x / kCluster, unit_step = gridDim.x / kCluster;
-  // The next tile a block takes: the next of its unit's kUnitTiles, or the first of its next unit.
+  // The next tile a block takes: the next of its unit's kUnitTiles, or the first of its next unit. gated_quantized
+  // reads the step where it is used (gridDim is a constant): held across setmaxnreg, it spilled there once that
+  // epilogue staged its codes (and read so by every epilogue, the bf16 ones spilled other values instead).
   auto advance = [&](int64_t unit) {
     constexpr int kTiles = kUnitTiles<kEpi>;
-    return unit % kTiles != kTiles - 1 ? unit + 1 : unit + 1 + (unit_step - 1) * kTiles;
+    const int64_t step = kEpi == Epilogue::gated_quantized ? int64_t{gridDim.x / kCluster} : unit_step;
+    return unit % kTiles != kTiles - 1 ? unit + 1 : unit + 1 + (step - 1) * kTiles;
   };
   // This block's row tile and expert in a unit, and whether the pair shares its weight tile. A block
   // walks its units in order, so the row tiles only grow: `hint`, the expert of the pair's first tile
@@ -773,12 +815,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int64_t unit = first_unit * kUnitTiles<kEpi>, units = unit_count(); unit < units; unit = advance(unit)) {
           const Tile t = tile_of(unit, hint);
           if (!t.valid) continue;
-          const int64_t col_base = int64_t{t.n_block} * kCols;
+          // gated_quantized: the second tile of each pair stages its group's 128 codes a row (as 64 2-byte units).
+          if (kEpi == Epilogue::gated_quantized && t.n_block % 2 == 0) continue;
+          const int64_t col_base = int64_t{kEpi == Epilogue::gated_quantized ? t.n_block / 2 : t.n_block} * kCols;
+          auto* const out_rows = static_cast<Staged*>(p.out);
+          const int64_t outputs = kEpi == Epilogue::gated_quantized ? p.outputs / 2 : p.outputs;
 #pragma unroll
           for (int m = 0; m < kMathGroups; ++m) {
             if (idle_of(t, m)) continue;
             named_sync(3 + m, 128 + kCopyThreads);
-            copy_staged<Out, kCols>(p, staged + m * kStagedBytes<kCols>, t.row, m, col_base, copier);
+            copy_staged<Staged, kCols>(out_rows, outputs, staged + m * kStagedBytes<kCols>, t.row, m, col_base, copier);
             named_arrive(5 + m, 128 + kCopyThreads);
           }
         }
@@ -956,8 +1002,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (t.valid && !idle) {
         if constexpr (kEpi == Epilogue::gated_quantized) {
-          quantized_gated_epilogue<T, BN>(p, acc, t.expert, t.row, t.n_block, math,
-                                          reinterpret_cast<float*>(staged + math * kStashBytes<BN>));
+          const bool second = t.n_block % 2 == 1;  // the tile whose codes are staged
+          if (second) named_sync(5 + math, 128 + kCopyThreads);
+          quantized_gated_epilogue<T, BN>(
+              p, acc, t.expert, t.row, t.n_block, math,
+              reinterpret_cast<float*>(staged + kMathGroups * kStagedBytes<kCols> + math * kStashBytes<BN>),
+              staged + math * kStagedBytes<kCols>);
+          if (second) named_arrive(3 + math, 128 + kCopyThreads);
         } else if constexpr (kStaged) {
           named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's rows
           store_epilogue<T, Out, BN, kEpi, true>(p, acc, weight, t.expert, t.row, t.n_block, math,

@@ -24,21 +24,35 @@ MOEKIT_HOST_DEVICE inline float scale_reciprocal(float scale) {
 #endif
 }
 
-// value / scale rounded to nearest even, for a finite value and a normal positive scale, with
-// reciprocal = scale_reciprocal(scale). Markstein's correction: q = value * reciprocal is within an ulp
-// of the quotient, the residual value - q * scale is exact in one fused multiply-add, and q plus the
-// residual times the correctly rounded reciprocal rounds to the correctly rounded quotient. Its sign is the
-// value's, as the division's is: the correction alone would turn a -0 value (or one flushed to zero) into
-// +0, whose e4m3 code differs (0x00, not 0x80); seen by the GEMM test on the H200.
-MOEKIT_HOST_DEVICE inline float divide_by_scale(float value, float scale, float reciprocal) {
+// A scale prepared for divide_by_scale. Below kSmallestReciprocalScale the scale, and in divide_by_scale the value,
+// are both multiplied by 2^64: exact (a power of two; a quantised value is at most 448 scales, so nothing
+// overflows), with the same quotient, so that every division takes the correction below. With a branch to the
+// division for such scales in every division, the quantising epilogue of the FP8 GEMM carried a division (and its
+// slow path's call) for each of its 64 values a thread, which made its code larger and its instruction fetches
+// slower.
+struct ScaleDivisor {
+  float scale;       // the scale, times boost
+  float reciprocal;  // scale_reciprocal(scale)
+  float boost;       // 1, or 2^64
+};
+MOEKIT_HOST_DEVICE inline ScaleDivisor scale_divisor(float scale) {
+  const float boost = scale < kSmallestReciprocalScale ? 0x1p64f : 1.0f;
+  return {scale * boost, scale_reciprocal(scale * boost), boost};
+}
+
+// value / scale rounded to nearest even, for a finite value at most 448 times a normal positive scale, with
+// d = scale_divisor(scale). Markstein's correction: q = value * reciprocal is within an ulp of the quotient, the
+// residual value - q * scale is exact in one fused multiply-add, and q plus the residual times the correctly
+// rounded reciprocal rounds to the correctly rounded quotient. Its sign is the value's, as the division's is: the
+// correction alone would turn a -0 value (or one flushed to zero) into +0, whose e4m3 code differs (0x00, not
+// 0x80); seen by the GEMM test on the H200.
+MOEKIT_HOST_DEVICE inline float divide_by_scale(float value, const ScaleDivisor& d) {
 #if defined(__CUDA_ARCH__)
-  if (scale < kSmallestReciprocalScale) return __fdiv_rn(value, scale);
-  const float q = __fmul_rn(value, reciprocal);
-  return copysignf(__fmaf_rn(__fmaf_rn(-q, scale, value), reciprocal, q), value);
+  const float v = __fmul_rn(value, d.boost), q = __fmul_rn(v, d.reciprocal);
+  return copysignf(__fmaf_rn(__fmaf_rn(-q, d.scale, v), d.reciprocal, q), value);
 #else
-  if (scale < kSmallestReciprocalScale) return value / scale;
-  const float q = value * reciprocal;
-  return std::copysign(std::fma(std::fma(-q, scale, value), reciprocal, q), value);
+  const float v = value * d.boost, q = v * d.reciprocal;
+  return std::copysign(std::fma(std::fma(-q, d.scale, v), d.reciprocal, q), value);
 #endif
 }
 
