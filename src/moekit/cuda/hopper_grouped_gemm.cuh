@@ -397,9 +397,8 @@ __device__ __forceinline__ float2 bias_pair(uint32_t b) {
   return make_float2(to_f(T{static_cast<uint16_t>(b & 0xffffu)}), to_f(T{static_cast<uint16_t>(b >> 16)}));
 }
 
-// act(gate) * up of accumulator pair i (< BN / 4) of a gated tile: columns j and j + 1 of the intermediate, with
-// the biases (bias: the expert's [2I] gate/up biases, or null).
-// The gate and up values of accumulator pair i, with the biases (bias: the expert's [2I] gate/up biases, or null).
+// The gate and up values of accumulator pair i (< BN / 4) of a gated tile, columns j and j + 1 of the intermediate,
+// with the biases (bias: the expert's [2I] gate/up biases, or null).
 template <typename T, int BN>
 __device__ __forceinline__ float4 gate_up_pair(const ExpertsArgs& a, const float* acc, const T* bias, int64_t j,
                                                int i) {
@@ -411,25 +410,28 @@ __device__ __forceinline__ float4 gate_up_pair(const ExpertsArgs& a, const float
   }
   return make_float4(g0, g1, u0, u1);
 }
-// SiLU, the common case, inline (activate's arithmetic); the others through the call. The biases are added once,
-// before the choice: added in each arm, the bf16 gated kernels grew by a third (5,312 -> 7,064 instructions) and
-// their DeepSeek-V3 layer ran 7% slower.
-template <typename T, int BN>
-__device__ __forceinline__ float2 gated_pair(const ExpertsArgs& a, const float* acc, const T* bias, bool is_silu,
-                                             int64_t j, int i) {
-  const float4 v = gate_up_pair<T, BN>(a, acc, bias, j, i);
-  return is_silu ? make_float2(silu(v.x) * v.z, silu(v.y) * v.w)
-                 : activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v.x, v.z, v.y, v.w);
-}
-// The same with the activation chosen at compile time (kSilu: SiLU), for epilogues that choose it once a tile.
-template <typename T, int BN, bool kSilu>
-__device__ __forceinline__ float2 gated_pair_as(const ExpertsArgs& a, const float* acc, const T* bias, int64_t j,
-                                                int i) {
-  const float4 v = gate_up_pair<T, BN>(a, acc, bias, j, i);
+// act(gate) * up of a gate_up_pair's two columns: kSilu, SiLU, the common case, inline (activate's arithmetic); the
+// others through the call.
+template <bool kSilu>
+__device__ __forceinline__ float2 activate_gate_up(const ExpertsArgs& a, float4 v) {
   if constexpr (kSilu)
     return make_float2(silu(v.x) * v.z, silu(v.y) * v.w);
   else
     return activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v.x, v.z, v.y, v.w);
+}
+// act(gate) * up of accumulator pair i. The biases are added once, before the choice of activation: added in each
+// arm, the bf16 gated kernels grew by a third (5,312 -> 7,064 instructions) and their DeepSeek-V3 layer ran 7% slower.
+template <typename T, int BN>
+__device__ __forceinline__ float2 gated_pair(const ExpertsArgs& a, const float* acc, const T* bias, bool is_silu,
+                                             int64_t j, int i) {
+  const float4 v = gate_up_pair<T, BN>(a, acc, bias, j, i);
+  return is_silu ? activate_gate_up<true>(a, v) : activate_gate_up<false>(a, v);
+}
+// The same with the activation chosen at compile time, for epilogues that choose it once a tile.
+template <typename T, int BN, bool kSilu>
+__device__ __forceinline__ float2 gated_pair_as(const ExpertsArgs& a, const float* acc, const T* bias, int64_t j,
+                                                int i) {
+  return activate_gate_up<kSilu>(a, gate_up_pair<T, BN>(a, acc, bias, j, i));
 }
 
 // FP8's gated first projection quantised in its epilogue (Epilogue::gated_quantized), in place of float rows
