@@ -28,6 +28,9 @@ struct GemmCase {
   // FP8 gated: gated_silu_e4m3 on the same operands too, whose codes and scales must be bit for bit what
   // quantize_activations makes of gated_silu's f32 rows.
   bool also_e4m3 = false;
+  // K: 384 is 6 (bf16) or 3 (FP8) pipeline stages, so the stage ring wraps around within a tile; 1,152 is deep
+  // enough (>= 1,024) for the contiguous layout's tiles to run in clusters of two blocks sharing weight tiles.
+  int64_t depth = 384;
 };
 
 class HopperGroupedGemmCuda : public ::testing::TestWithParam<GemmCase> {};
@@ -43,14 +46,13 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   const GemmCase c = GetParam();
   const Device gpu = Device::cuda();
   // N = 384 leaves the bf16 kernel's second 256-wide column block partly outside (gated too: 192 outputs);
-  // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there. K = 384 is 6 (bf16) or 3 (FP8)
-  // pipeline stages, so the stage ring wraps around within a tile.
+  // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there.
   // Masked: max_m = 384, and the last group's 400 rows count as its 384.
   const std::vector<int64_t> rows_per_group =
       c.masked ? std::vector<int64_t>{100, 0, 257, 128, 400} : std::vector<int64_t>{100, 0, 257, 128, 1};
   const auto G = static_cast<int64_t>(rows_per_group.size());
   const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
-  const int64_t N = c.fp8 && gated ? 512 : 384, K = 384, max_m = 384;
+  const int64_t N = c.fp8 && gated ? 512 : 384, K = c.depth, max_m = 384;
   const Tensor offsets = contiguous_tile_offsets(rows_per_group);
   const int32_t* o = offsets.data_as<int32_t>();
   const int64_t M = c.masked ? G * max_m : int64_t{o[G]} * 128;
@@ -184,16 +186,20 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
 
 INSTANTIATE_TEST_SUITE_P(
     Formats, HopperGroupedGemmCuda,
-    ::testing::Values(GemmCase{"bf16_store", false, DType::f32, GroupedGemmEpilogue::store},
-                      GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
-                      GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
-                      GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
-                      GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true},
-                      GemmCase{"masked_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, true},
-                      GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, true},
-                      GemmCase{"masked_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, true},
-                      GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true,
-                               true}),
+    ::testing::Values(
+        GemmCase{"bf16_store", false, DType::f32, GroupedGemmEpilogue::store},
+        GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
+        GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
+        GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
+        GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true},
+        GemmCase{"masked_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, true},
+        GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, true},
+        GemmCase{"masked_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, true},
+        GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true, true},
+        GemmCase{"deep_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, false, false, 1152},
+        GemmCase{"deep_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, false, false, 1152},
+        GemmCase{"deep_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, false, false, 1152},
+        GemmCase{"deep_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true, 1152}),
     [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
 
 // The boundary checks answer before any work, with the reason (no GPU needed: a CPU tensor is refused

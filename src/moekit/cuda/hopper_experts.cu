@@ -16,8 +16,8 @@
 // The combine is grouped_mm's (pairs added in k order, in float), so results are deterministic.
 // Both projections go through run_projection, which hopper_grouped_gemm (hopper_gemm.h) also calls to
 // run one of these GEMMs alone.
-// Both GEMMs run in clusters of two blocks that share (multicast) their weight tiles where both row
-// tiles belong to one expert; MOEKIT_DEEPGEMM_CLUSTER=1 in the environment turns that off (a knob for
+// Projections at least 1,024 deep run in clusters of two blocks that share (multicast) their weight tiles where
+// both row tiles belong to one expert; MOEKIT_DEEPGEMM_CLUSTER=1 in the environment turns that off (a knob for
 // measuring it, read once).
 // Launches are sized from host-known bounds and the tile counts are read on the device, so a call
 // never waits for the host and can be captured in a CUDA graph.
@@ -347,8 +347,12 @@ template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
 void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
                  const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
   // The masked layout's tiles of one group are not adjacent in rows; pairs share weights only in the
-  // contiguous one.
-  if (use_clusters() && !p.masked_m)
+  // contiguous one; nor in projections shallower than kPairsMinDepth: a stage is refilled only once both blocks have
+  // released it, and with few k-blocks a tile that coupling costs more than the shared weight tiles save (GEMM FP8
+  // down at Qwen3's K = 768: 1.046x unpaired; at DeepSeek-V3's K = 2,048 pairs pay: benchmarks.md, sessions 22-23).
+  constexpr int64_t kPairsMinDepth = 1024;
+  const bool deep = int64_t{p.k_blocks} * hopper::kStageK<kFp8> >= kPairsMinDepth;
+  if (use_clusters() && !p.masked_m && deep)
     launch_gemm_on<T, kEpi, 2, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
   else
     launch_gemm_on<T, kEpi, 1, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);

@@ -586,37 +586,25 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
   }
 }
 
-// The copying warps' half of a staged epilogue: warpgroup math's 64 rows of the tile, 16 bytes a thread,
-// from its staging buffer to `out`, rows of `outputs` elements O from row `tile_row` + 64 math and column
-// `col_base` on (columns past `outputs`, a multiple of 8, are not stored). kCopyThreads is a
-// multiple of a row's 16-byte chunks, so each thread keeps one chunk and steps kRowStep rows at a time; its
-// loads from the buffer go out kBatch at a time before their stores (one load, then its store, in turn left the
-// math warpgroups waiting for their buffers: 12% of their time in the down projection of SonicMoE's I = 256 shape).
+// The copying warps' half of a staged epilogue: warpgroup math's 64 rows of the tile, from its staging buffer to
+// `out`, rows of `outputs` elements O from row `tile_row` + 64 math and column `col_base` on (columns past
+// `outputs`, a multiple of 8, are not stored), by the bulk copy engine: copying thread r < 64 issues row r as one
+// bulk copy (cp.async.bulk, 16-byte aligned at both ends: the pitch and `outputs` are multiples of 16 bytes) and
+// waits until the engine has read it, so the buffer is free when all have returned. The math warpgroup fenced its
+// writes to the async proxy before its "staged" arrival.
 template <typename O, int kCols>
 __device__ __forceinline__ void copy_staged(O* out_rows, int64_t outputs, const uint8_t* staged, int64_t tile_row,
                                             int math, int64_t col_base, int copier) {
-  constexpr int kChunks = kCols * static_cast<int>(sizeof(O)) / 16, kPerChunk = 16 / static_cast<int>(sizeof(O));
-  static_assert(kChunks * 16 == kStagedPitch<kCols> - 16, "a staged row holds kCols outputs");
-  static_assert(kCopyThreads % kChunks == 0, "each copying thread keeps one 16-byte chunk of the rows");
-  constexpr int kRowStep = kCopyThreads / kChunks, kSteps = (64 + kRowStep - 1) / kRowStep, kBatch = 4;
-  const int chunk = copier % kChunks, first = copier / kChunks;
-  const int64_t col = col_base + chunk * kPerChunk;
-  if (col >= outputs) return;
-  O* const out = out_rows + (tile_row + math * 64 + first) * outputs + col;
-  const int64_t out_step = kRowStep * outputs;
-  const uint8_t* const in = staged + first * kStagedPitch<kCols> + chunk * 16;
-#pragma unroll
-  for (int s0 = 0; s0 < kSteps; s0 += kBatch) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      if (s0 + b < kSteps && first + (s0 + b) * kRowStep < 64)
-        v[b] = *reinterpret_cast<const uint4*>(in + (s0 + b) * kRowStep * kStagedPitch<kCols>);
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      if (s0 + b < kSteps && first + (s0 + b) * kRowStep < 64)
-        *reinterpret_cast<uint4*>(out + (s0 + b) * out_step) = v[b];
-  }
+  if (copier >= 64) return;
+  const int64_t cols = min(int64_t{kCols}, outputs - col_base);
+  if (cols <= 0) return;
+  O* const dst = out_rows + (tile_row + math * 64 + copier) * outputs + col_base;
+  const auto src = static_cast<uint32_t>(__cvta_generic_to_shared(staged + copier * kStagedPitch<kCols>));
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(static_cast<uint32_t>(cols * int64_t{sizeof(O)}))
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 // kCluster 2: pairs of blocks (a cluster) take the row tiles 2p and 2p + 1 of the same column block.
@@ -830,6 +818,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             named_arrive(5 + m, 128 + kCopyThreads);
           }
         }
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the last rows written, not only read
       }
     }
   } else {
@@ -1010,11 +999,15 @@ __global__ void __launch_bounds__(kThreads, 1)
               p, acc, t.expert, t.row, t.n_block, math,
               reinterpret_cast<float*>(staged + kMathGroups * kStagedBytes<kCols> + math * kStashBytes<BN>),
               staged + math * kStagedBytes<kCols>);
-          if (second) named_arrive(3 + math, 128 + kCopyThreads);
+          if (second) {
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the codes, to the bulk copy engine
+            named_arrive(3 + math, 128 + kCopyThreads);
+          }
         } else if constexpr (kStaged) {
           named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's rows
           store_epilogue<T, Out, BN, kEpi, true>(p, acc, weight, t.expert, t.row, t.n_block, math,
                                                  staged + math * kStagedBytes<kCols>);
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the rows, to the bulk copy engine
           named_arrive(3 + math, 128 + kCopyThreads);
         } else {
           store_epilogue<T, Out, BN, kEpi>(p, acc, weight, t.expert, t.row, t.n_block, math);
