@@ -467,8 +467,8 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
 
 // Y: the type of the per-pair rows (float for grouped_mm and eager, the activation dtype for deepgemm).
 template <typename T, typename Y>
-__global__ void __launch_bounds__(256) combine_kernel(const ExpertsArgs a, const int32_t* pair_row, const Y* y,
-                                                      bool vectorized, bool weighted) {
+__global__ void __launch_bounds__(256)
+    combine_kernel(const ExpertsArgs a, const int32_t* pair_row, const Y* y, bool vectorized, bool weighted) {
   const int64_t t = blockIdx.x, H = a.hidden, K = a.top_k;
   bool invalid = false;
   for (int64_t k = 0; k < K; ++k) invalid |= load_id(a, t * K + k) < 0;
@@ -497,7 +497,8 @@ __global__ void __launch_bounds__(256) combine_kernel(const ExpertsArgs a, const
         for (int i = 0; i < 4; ++i)
           words[i] = static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i]).bits) |
                      static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i + 1]).bits) << 16;
-        reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] = make_uint4(words[0], words[1], words[2], words[3]);
+        reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] =
+            make_uint4(words[0], words[1], words[2], words[3]);
       }
       return;
     }
@@ -509,6 +510,61 @@ __global__ void __launch_bounds__(256) combine_kernel(const ExpertsArgs a, const
       if (row >= 0) acc = fmaf(weighted ? load_routing_weight<T>(a, t * K + k) : 1.0f, to_f(y[row * H + h]), acc);
     }
     static_cast<T*>(a.out)[t * H + h] = from_f<T>(invalid ? nan : acc);
+  }
+}
+
+// The 2-byte rows' combine (deepgemm and sonicmoe; grouped_mm's rows are float): the same sums as combine_kernel's
+// vectorized path, each column's fmaf in slot order, but the token's K pairs (row, routing weight, valid id) are read
+// once into shared memory by K threads in one round trip (kMaxCombineSlots at most), and each thread then has
+// kCombineBatch of its 16-byte loads in flight before it adds them. combine_kernel read the ids, then each pair's row
+// and weight, then its values, one dependent round trip after another, K times over.
+constexpr int kMaxCombineSlots = 64, kCombineBatch = 8;
+template <typename T>
+__global__ void __launch_bounds__(256)
+    combine_2byte_rows_kernel(const ExpertsArgs a, const int32_t* pair_row, const T* y, bool weighted) {
+  __shared__ int32_t rows[kMaxCombineSlots];
+  __shared__ float weights[kMaxCombineSlots];
+  const int64_t t = blockIdx.x, H = a.hidden;
+  const int K = static_cast<int>(a.top_k);
+  bool invalid = false;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    const int64_t pair = t * K + k;
+    invalid |= load_id(a, pair) < 0;
+    rows[k] = pair_row[pair];
+    weights[k] = weighted ? load_routing_weight<T>(a, pair) : 1.0f;
+  }
+  invalid = __syncthreads_or(invalid);
+  const float nan = __int_as_float(0x7fc00000);
+  for (int64_t v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    float acc[8] = {};
+    for (int k0 = 0; k0 < K; k0 += kCombineBatch) {
+      uint4 raw[kCombineBatch];
+#pragma unroll
+      for (int b = 0; b < kCombineBatch; ++b) {
+        const int k = k0 + b;
+        raw[b] =
+            k < K && rows[k] >= 0 ? __ldg(reinterpret_cast<const uint4*>(y + rows[k] * H) + v) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kCombineBatch; ++b) {
+        const int k = k0 + b;
+        if (k >= K || rows[k] < 0) continue;
+        const float w = weights[k];
+        const uint32_t words[4] = {raw[b].x, raw[b].y, raw[b].z, raw[b].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          T e;
+          e.bits = static_cast<uint16_t>(i % 2 ? words[i / 2] >> 16 : words[i / 2] & 0xffffu);
+          acc[i] = fmaf(w, to_f(e), acc[i]);
+        }
+      }
+    }
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      words[i] = static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i]).bits) |
+                 static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i + 1]).bits) << 16;
+    reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] = make_uint4(words[0], words[1], words[2], words[3]);
   }
 }
 
@@ -605,11 +661,20 @@ void launch_combine_rows(const ExpertsArgs& a, const int32_t* pair_row, const vo
     using T = typename decltype(tag)::type;
     const auto blocks = static_cast<unsigned>(a.tokens);
     const bool vectorized = a.hidden % 8 == 0 && aligned16(a.out) && aligned16(y);
-    if (y_is_float)
+    if (y_is_float) {
       combine_kernel<T, float><<<blocks, 256, 0, stream>>>(a, pair_row, static_cast<const float*>(y), false, weighted);
-    else
-      combine_kernel<T, T><<<blocks, vectorized ? 128 : 256, 0, stream>>>(a, pair_row, static_cast<const T*>(y),
-                                                                         vectorized, weighted);
+    } else if (sizeof(T) == 2 && vectorized && a.top_k <= kMaxCombineSlots) {
+      if constexpr (sizeof(T) == 2) {
+        // A thread per 16 bytes of a row, in whole warps, at most 256 (one 16-byte column a thread up to H = 2,048),
+        // so that all of a column's loads go out at once.
+        const int64_t threads = std::clamp<int64_t>((a.hidden / 8 + 31) / 32 * 32, 32, 256);
+        combine_2byte_rows_kernel<T>
+            <<<blocks, static_cast<unsigned>(threads), 0, stream>>>(a, pair_row, static_cast<const T*>(y), weighted);
+      }
+    } else {
+      combine_kernel<T, T>
+          <<<blocks, vectorized ? 128 : 256, 0, stream>>>(a, pair_row, static_cast<const T*>(y), vectorized, weighted);
+    }
     MOEKIT_CUDA_CHECK_LAUNCH();
   });
 }
