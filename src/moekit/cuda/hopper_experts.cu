@@ -13,7 +13,7 @@
 // first GEMM writes the activated intermediate in float, a pass quantises it the same way, and the second
 // GEMM reads it in e4m3;
 // the GEMMs take 128-wide weight tiles and apply the scales per 128-deep block.
-// The combine is grouped_mm's (pairs added in k order, in float), so results are deterministic.
+// The combine is launch_combine_rows' (pairs added in k order, in float), so results are deterministic.
 // Both projections go through run_projection, which hopper_grouped_gemm (hopper_gemm.h) also calls to
 // run one of these GEMMs alone.
 // Projections at least 1,024 deep run in clusters of two blocks that share (multicast) their weight tiles where
