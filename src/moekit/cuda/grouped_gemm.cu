@@ -465,6 +465,30 @@ void launch(const GroupedProblem& g, int64_t max_tiles, cudaStream_t stream) {
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
+// acc[i] += w * value i of eight 2-byte values packed in 16 bytes (value 2j in the low half of word j).
+template <typename Y>
+__device__ __forceinline__ void add_packed8(float (&acc)[8], const uint4 raw, float w) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    Y e;
+    e.bits = static_cast<uint16_t>(i % 2 ? words[i / 2] >> 16 : words[i / 2] & 0xffffu);
+    acc[i] = fmaf(w, to_f(e), acc[i]);
+  }
+}
+
+// Eight sums as T, packed into 16 bytes like add_packed8's input; NaN where the token has an invalid id.
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&acc)[8], bool invalid) {
+  const float nan = __int_as_float(0x7fc00000);
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    words[i] = static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i]).bits) |
+               static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i + 1]).bits) << 16;
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 // Y: the type of the per-pair rows (float for grouped_mm and eager, the activation dtype for deepgemm).
 template <typename T, typename Y>
 __global__ void __launch_bounds__(256)
@@ -483,22 +507,9 @@ __global__ void __launch_bounds__(256)
           const int32_t row = pair_row[t * K + k];
           if (row < 0) continue;
           const float w = weighted ? load_routing_weight<T>(a, t * K + k) : 1.0f;
-          const uint4 raw = __ldg(reinterpret_cast<const uint4*>(y + row * H) + v);
-          const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            Y e;
-            e.bits = static_cast<uint16_t>(i % 2 ? words[i / 2] >> 16 : words[i / 2] & 0xffffu);
-            acc[i] = fmaf(w, to_f(e), acc[i]);
-          }
+          add_packed8<Y>(acc, __ldg(reinterpret_cast<const uint4*>(y + row * H) + v), w);
         }
-        uint32_t words[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          words[i] = static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i]).bits) |
-                     static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i + 1]).bits) << 16;
-        reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] =
-            make_uint4(words[0], words[1], words[2], words[3]);
+        reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] = pack8<T>(acc, invalid);
       }
       return;
     }
@@ -534,7 +545,6 @@ __global__ void __launch_bounds__(256)
     weights[k] = weighted ? load_routing_weight<T>(a, pair) : 1.0f;
   }
   invalid = __syncthreads_or(invalid);
-  const float nan = __int_as_float(0x7fc00000);
   for (int64_t v = threadIdx.x; v < H / 8; v += blockDim.x) {
     float acc[8] = {};
     for (int k0 = 0; k0 < K; k0 += kCombineBatch) {
@@ -548,23 +558,10 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int b = 0; b < kCombineBatch; ++b) {
         const int k = k0 + b;
-        if (k >= K || rows[k] < 0) continue;
-        const float w = weights[k];
-        const uint32_t words[4] = {raw[b].x, raw[b].y, raw[b].z, raw[b].w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          T e;
-          e.bits = static_cast<uint16_t>(i % 2 ? words[i / 2] >> 16 : words[i / 2] & 0xffffu);
-          acc[i] = fmaf(w, to_f(e), acc[i]);
-        }
+        if (k < K && rows[k] >= 0) add_packed8<T>(acc, raw[b], weights[k]);
       }
     }
-    uint32_t words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      words[i] = static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i]).bits) |
-                 static_cast<uint32_t>(from_f<T>(invalid ? nan : acc[2 * i + 1]).bits) << 16;
-    reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] = make_uint4(words[0], words[1], words[2], words[3]);
+    reinterpret_cast<uint4*>(static_cast<T*>(a.out) + t * H)[v] = pack8<T>(acc, invalid);
   }
 }
 
