@@ -41,21 +41,23 @@ using hopper::kBlockM;
 
 // Weight rows per column block (gated: half gate, half up rows) and pipeline depth, the deepest that fits beside
 // the staging buffers: bf16 4 x 48 KB (beside the first projection's two 17 KB buffers; 3 beside the second's
-// two 33 KB); FP8 first projections 128 wide (their second set of accumulators takes the registers of a wider
-// tile; gated_quantized pairs 64-output tiles into 128-wide groups) at 6 x 34 KB (5 beside gated_quantized's
-// stashes); FP8's second projection 192 wide (session 20: its GEMM 1.035-1.125x as fast as 128 wide), 4 x 41 KB beside
-// its two 25 KB staging buffers.
+// two 33 KB); FP8's gated_activation first projection 128 wide (its second set of accumulators takes the registers
+// of a wider tile) at 6 x 34 KB; FP8's gated_quantized 256 wide, a whole 128-wide group of the intermediate a tile
+// whose gate and up halves take turns on one set of accumulators (session 24: its GEMM 1.17-1.18x as fast as pairs
+// of 128-wide tiles), at 4 x 49 KB beside its two 9 KB staging buffers; FP8's second projection 192 wide (session 20:
+// its GEMM 1.035-1.125x as fast as 128 wide), 4 x 41 KB beside its two 25 KB staging buffers.
 template <bool kFp8, Epilogue kEpi>
-constexpr int kTileN = !kFp8                          ? 256
-                       : kEpi == Epilogue::store_rows ? 192
-                                                      : 128;
+constexpr int kTileN = !kFp8                               ? 256
+                       : kEpi == Epilogue::store_rows      ? 192
+                       : kEpi == Epilogue::gated_quantized ? 256
+                                                           : 128;
 template <bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr int kStages = hopper::fitting_stages<kTileN<kFp8, kEpi>, kFp8, kEpi, kGatherA, kFp8 ? 6 : 4>();
 static_assert(kStages<false, Epilogue::gated_activation, false> == 4 &&
               kStages<false, Epilogue::store_rows, false> == 3 &&
               kStages<false, Epilogue::gated_activation, true> == 4 &&
               kStages<true, Epilogue::gated_activation, false> == 6 &&
-              kStages<true, Epilogue::gated_quantized, false> == 5 && kStages<true, Epilogue::store_rows, false> == 4);
+              kStages<true, Epilogue::gated_quantized, false> == 4 && kStages<true, Epilogue::store_rows, false> == 4);
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;

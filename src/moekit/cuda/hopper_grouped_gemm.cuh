@@ -153,10 +153,10 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t bar, uint32_t rank)
 enum class Epilogue : uint8_t { gated_activation, gated_quantized, activation, store_rows };
 template <Epilogue kEpi>
 constexpr bool kGated = kEpi == Epilogue::gated_activation || kEpi == Epilogue::gated_quantized;
-// Tiles a block takes one after the other as one unit of work: gated_quantized's two tiles make one 128-wide
-// group of the intermediate.
-template <Epilogue kEpi>
-constexpr int kUnitTiles = kEpi == Epilogue::gated_quantized ? 2 : 1;
+// Tiles a block takes one after the other as one unit of work: gated_quantized's 128-wide tiles (64 gate and 64 up
+// rows) come in twos that make one 128-wide group of the intermediate; its 256-wide tiles are a group each.
+template <Epilogue kEpi, int BN>
+constexpr int kUnitTiles = kEpi == Epilogue::gated_quantized&& BN == 128 ? 2 : 1;
 
 struct GemmParams {
   ExpertsArgs a;                          // sizes, activation, biases
@@ -217,15 +217,19 @@ constexpr bool staged_epilogue() {
   return !kGatherA && (kEpi == Epilogue::store_rows || kEpi == Epilogue::gated_quantized ||
                        (!kFp8 && kEpi == Epilogue::gated_activation));
 }
-// gated_quantized: each math warpgroup keeps the first tile's activated values (BN / 4 a thread) until the second.
+// gated_quantized in 128-wide tiles: each math warpgroup keeps the first tile's activated values (BN / 4 a thread)
+// until the second.
 template <int BN>
 constexpr int kStashBytes = BN / 4 * 128 * 4;
 template <int BN, Epilogue kEpi>
-constexpr int kEpilogueStashBytes = kEpi == Epilogue::gated_quantized ? kMathGroups* kStashBytes<BN> : 0;
+constexpr int kEpilogueStashBytes = kEpi == Epilogue::gated_quantized&& BN == 128 ? kMathGroups* kStashBytes<BN> : 0;
+// 2-byte columns of a staged row: the tile's outputs, or gated_quantized's group of 128 codes (as 64 2-byte units).
+template <int BN, Epilogue kEpi>
+constexpr int kStagedCols = kEpi == Epilogue::gated_quantized ? 64 : kOutCols<BN, kEpi>;
 // Shared memory of the epilogues: the staging buffers, then gated_quantized's stashes.
 template <int BN, bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr int staged_epilogue_bytes() {
-  return (staged_epilogue<kFp8, kEpi, kGatherA>() ? kMathGroups * kStagedBytes<kOutCols<BN, kEpi>> : 0) +
+  return (staged_epilogue<kFp8, kEpi, kGatherA>() ? kMathGroups * kStagedBytes<kStagedCols<BN, kEpi>> : 0) +
          kEpilogueStashBytes<BN, kEpi>;
 }
 // The dynamic shared memory a block may use, and what a pipeline of kStages takes: the stages (their base is
@@ -276,6 +280,10 @@ struct WgmmaOp<f16, 128> {
 template <>
 struct WgmmaOp<f8_e4m3, 128> {
   using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct WgmmaOp<f8_e4m3, 256> {  // named for the 256-wide tiles, which issue two m64n128 batches instead
+  using type = cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>;
 };
 template <>
 struct WgmmaOp<f8_e4m3, 192> {
@@ -449,6 +457,7 @@ __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, co
                                                          int64_t tile_row, int n_block, int math, float* stash,
                                                          uint8_t* staged) {
   constexpr int kHalf = BN / 4;
+  constexpr bool kWhole = BN == 256;  // the tile holds its whole group (128 gate and 128 up columns)
   const ExpertsArgs& a = p.a;
   const int thread = threadIdx.x % 128, warp = thread / 32, lane = threadIdx.x % 32;
   const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * 2 * a.intermediate : nullptr;
@@ -467,17 +476,22 @@ __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, co
     activate_tile.template operator()<true, true>();
   else
     activate_tile.template operator()<false, true>();
-  if (n_block % 2 == 0) {
+  float first[kWhole ? 1 : kHalf];
+  if constexpr (!kWhole) {
+    if (n_block % 2 == 0) {
 #pragma unroll
-    for (int i = 0; i < kHalf; ++i) stash[i * 128 + thread] = h[i];
-    return;
+      for (int i = 0; i < kHalf; ++i) stash[i * 128 + thread] = h[i];
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) first[i] = stash[i * 128 + thread];
   }
-  float first[kHalf];
-#pragma unroll
-  for (int i = 0; i < kHalf; ++i) first[i] = stash[i * 128 + thread];
   float amax[2] = {0.0f, 0.0f};  // rows r and r + 8 of the thread
 #pragma unroll
-  for (int i = 0; i < kHalf; ++i) amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fmaxf(fabsf(first[i]), fabsf(h[i])));
+  for (int i = 0; i < kHalf; ++i) {
+    const float m = kWhole ? fabsf(h[i]) : fmaxf(fabsf(first[i]), fabsf(h[i]));
+    amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], m);
+  }
   float scale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -493,14 +507,19 @@ __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, co
     const float2 q = make_float2(divide_by_scale(v0, divisor[r]), divide_by_scale(v1, divisor[r]));
     return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
   };
-  const int64_t group = n_block / 2, row_base = tile_row + math * 64;
-  static_assert(kStagedPitch<BN / 2> == 128 + 16, "a staged row holds a group's 128 codes");
+  const int64_t group = kWhole ? n_block : n_block / 2, row_base = tile_row + math * 64;
+  constexpr int kPitch = kStagedPitch<64>;
+  static_assert(kPitch == 128 + 16, "a staged row holds a group's 128 codes");
 #pragma unroll
   for (int i = 0; i < kHalf; i += 2) {
     const int r = (i >> 1) & 1;
-    uint8_t* const at = staged + acc_row(warp, lane, i) * kStagedPitch<BN / 2> + acc_col(lane, i);
-    *reinterpret_cast<uint16_t*>(at) = codes2(first[i], first[i + 1], r);
-    *reinterpret_cast<uint16_t*>(at + 64) = codes2(h[i], h[i + 1], r);
+    uint8_t* const at = staged + acc_row(warp, lane, i) * kPitch + acc_col(lane, i);
+    if constexpr (kWhole) {
+      *reinterpret_cast<uint16_t*>(at) = codes2(h[i], h[i + 1], r);
+    } else {
+      *reinterpret_cast<uint16_t*>(at) = codes2(first[i], first[i + 1], r);
+      *reinterpret_cast<uint16_t*>(at + 64) = codes2(h[i], h[i + 1], r);
+    }
   }
   if (lane % 4 == 0)
 #pragma unroll
@@ -625,7 +644,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   static_assert(kCluster == 1 || kCluster == 2);
   static_assert(!(kGatherA && kFp8), "the gathering producer copies 2-byte rows");
-  static_assert(kEpi != Epilogue::gated_quantized || (kFp8 && BN == 128), "gated_quantized: FP8 tiles of 64 outputs");
+  static_assert(kEpi != Epilogue::gated_quantized || (kFp8 && (BN == 128 || BN == 256)),
+                "gated_quantized: FP8 tiles of 64 or 128 outputs");
   using In = std::conditional_t<kFp8, f8_e4m3, T>;  // operand type
   using Out = std::conditional_t<kFp8 && kEpi != Epilogue::store_rows, float, T>;
   // What the copying warps store: the 2-byte outputs, or gated_quantized's e4m3 codes two at a time.
@@ -670,7 +690,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // reads the step where it is used (gridDim is a constant): held across setmaxnreg, it spilled there once that
   // epilogue staged its codes (and read so by every epilogue, the bf16 ones spilled other values instead).
   auto advance = [&](int64_t unit) {
-    constexpr int kTiles = kUnitTiles<kEpi>;
+    constexpr int kTiles = kUnitTiles<kEpi, BN>;
     const int64_t step = kEpi == Epilogue::gated_quantized ? int64_t{gridDim.x / kCluster} : unit_step;
     return unit % kTiles != kTiles - 1 ? unit + 1 : unit + 1 + (step - 1) * kTiles;
   };
@@ -718,7 +738,9 @@ __global__ void __launch_bounds__(kThreads, 1)
            (p.masked_m ? t.row - t.expert * p.masked_rows + math * 64 >= p.masked_m[t.expert]
                        : p.idle_padding && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
   };
-  constexpr int kCols = kOutCols<BN, kEpi>;
+  constexpr int kCols = kStagedCols<BN, kEpi>;
+  // gated_quantized: the tile whose codes are staged (in 128-wide tiles, the second of its pair; 256 wide, each).
+  auto codes_staged = [&](const Tile& t) { return kUnitTiles<kEpi, BN> == 1 || t.n_block % 2 == 1; };
 
   // Warp-uniform as the compiler can see (a shuffle from lane 0), so that what derives from it (the math
   // warpgroups' operand descriptors) can live in uniform registers.
@@ -737,7 +759,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       int64_t hint = 0;
-      for (int64_t unit = first_unit * kUnitTiles<kEpi>, units = unit_count(); unit < units; unit = advance(unit)) {
+      for (int64_t unit = first_unit * kUnitTiles<kEpi, BN>, units = unit_count(); unit < units; unit = advance(unit)) {
         const Tile t = tile_of(unit, hint);
         int32_t token[kGatherA ? 8 : 1];
         if constexpr (kGatherA) {
@@ -802,12 +824,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int m = 0; m < kMathGroups; ++m) named_arrive(5 + m, 128 + kCopyThreads);  // both buffers free
         int64_t hint = 0;
-        for (int64_t unit = first_unit * kUnitTiles<kEpi>, units = unit_count(); unit < units; unit = advance(unit)) {
+        for (int64_t unit = first_unit * kUnitTiles<kEpi, BN>, units = unit_count(); unit < units;
+             unit = advance(unit)) {
           const Tile t = tile_of(unit, hint);
           if (!t.valid) continue;
           // gated_quantized: the second tile of each pair stages its group's 128 codes a row (as 64 2-byte units).
-          if (kEpi == Epilogue::gated_quantized && t.n_block % 2 == 0) continue;
-          const int64_t col_base = int64_t{kEpi == Epilogue::gated_quantized ? t.n_block / 2 : t.n_block} * kCols;
+          if (kEpi == Epilogue::gated_quantized && !codes_staged(t)) continue;
+          const int64_t col_base = int64_t{t.n_block / kUnitTiles<kEpi, BN>} * kCols;
           auto* const out_rows = static_cast<Staged*>(p.out);
           const int64_t outputs = kEpi == Epilogue::gated_quantized ? p.outputs / 2 : p.outputs;
 #pragma unroll
@@ -827,7 +850,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int math = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     float acc[BN / 2];
-    float part[kFp8 ? BN / 2 : 1];  // FP8: one scale block's products
+    // FP8: one scale block's products (gated_quantized 256 wide: of one half, its gate or its up rows).
+    float part[kFp8 ? (BN == 256 ? BN / 4 : BN / 2) : 1];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     int stage = 0;
@@ -853,20 +877,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t row_scales0 =
         cute::cast_smem_ptr_to_uint(smem + kScaleOffset) + 4 * (math * 64 + acc_row(warp, lane, 0));
     int64_t hint = 0;
-    for (int64_t unit = first_unit * kUnitTiles<kEpi>, units = unit_count(); unit < units; unit = advance(unit)) {
+    for (int64_t unit = first_unit * kUnitTiles<kEpi, BN>, units = unit_count(); unit < units; unit = advance(unit)) {
       const Tile t = tile_of(unit, hint);
       float weight[2] = {1.0f, 1.0f};
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
       // FP8: where the two weight scale blocks of the tile start. 128 wide: those of its two 64-row halves
-      // (gated: its gate and up rows); 192 wide: the 128-row block of its first row and the next one (the
-      // last block where there is none), which its columns from 128 (even column blocks) or 64 (odd) on take.
+      // (gated: its gate and up rows); gated 256 wide: those of its gate and up rows (interleaved rows: those of
+      // its columns 0-63 and 64-127, gate and up rows alike); 192 wide: the 128-row block of its first row and the next
+      // one (the last block where there is none), which its columns from 128 (even column blocks) or 64 (odd) on take.
       const uint8_t* scale_base[2] = {nullptr, nullptr};
       if constexpr (kFp8) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           int64_t block;  // the 128-row block of weight scales
           if (kGated<kEpi>)
-            block = (p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows
+            block = (p.interleaved ? 2 * int64_t{t.n_block} * kHalfRows + (BN == 256 ? h * 128 : 0)
                                    : h * p.a.intermediate + int64_t{t.n_block} * kHalfRows) /
                     128;
           else if constexpr (BN == 128)
@@ -953,8 +978,82 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
           }
         };
-        static_assert(BN == 128 || (BN == 192 && !kGated<kEpi>), "FP8 tiles: 128 wide, or 192 ungated");
-        if constexpr (BN == 192) {
+        // gated_quantized 256 wide: each 128-deep block's products in two batches of m64n128k32, the gate rows' and
+        // then the up rows', into one set of 64 accumulators promoted after each (two sets of 128 would not leave the
+        // registers for anything else). A tile is then a whole group of the intermediate: its epilogue needs no stash,
+        // and each A tile is loaded once for the 256 weight rows of a group, not twice.
+        // Generic in the half's width so that only the 256-wide instantiations, which call it, compile its body.
+        auto fp8_gated_halves = [&](auto half_rows) {
+          constexpr int kHalfN = decltype(half_rows)::value;
+          using HalfOp = typename WgmmaOp<In, kHalfN>::type;
+          constexpr int kPart = kHalfN / 2;  // accumulators of a half
+          const bool interleaved = p.interleaved;
+          auto wait_and_read_rows = [&](int kb, float(&a_scale)[2]) {
+            wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
+            const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
+          };
+          float a_scale[2];
+          uint32_t b_slot[2][2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
+          wait_and_read_rows(0, a_scale);
+          auto block = [&](int kb, uint32_t(&b_bits)[2]) {
+            const int issued = stage;
+            const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
+            const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
+            float scale[2][2];  // [row r, r + 8][the first or second weight scale block]
+#pragma unroll
+            for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
+            const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
+            b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
+            b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
+            if (++stage == kStages) stage = 0, phase ^= 1;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              // The scales of this half's columns 0-63 and 64-127 (rows r and r + 8).
+              float low[2], high[2];
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                low[r] = interleaved ? scale[r][0] : scale[r][h];
+                high[r] = interleaved ? scale[r][1] : scale[r][h];
+              }
+#pragma unroll
+              for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+              cute::warpgroup_arrive();
+#pragma unroll
+              for (int kk = 0; kk < kRowBytes / 32; ++kk)
+                wgmma<HalfOp>(with_address(desc_hi, desc_a_lo + stage_offset + 2 * kk),
+                              with_address(desc_hi, desc_b_lo + stage_offset + h * (kHalfBytes >> 4) + 2 * kk), part,
+                              kk > 0, std::make_index_sequence<kPart>{});
+              cute::warpgroup_commit_batch();
+#pragma unroll
+              for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+              // While the up rows' batch runs: block kb + 1's stage and row scales.
+              if (h == 1 && kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1, a_scale);
+              cute::warpgroup_wait<0>();
+#pragma unroll
+              for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+              if (h == 1) release(issued);
+#pragma unroll
+              for (int i = 0; i < kPart; ++i)
+                acc[h * kPart + i] =
+                    fmaf(part[i], i < kPart / 2 ? low[(i >> 1) & 1] : high[(i >> 1) & 1], acc[h * kPart + i]);
+            }
+          };
+          for (int kb = 0; kb < p.k_blocks; kb += 2) {
+            block(kb, b_slot[0]);
+            if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
+          }
+        };
+        static_assert(BN == 128 || (BN == 192 && !kGated<kEpi>) || (BN == 256 && kEpi == Epilogue::gated_quantized),
+                      "FP8 tiles: 128 wide, 192 ungated, or 256 gated_quantized");
+        if constexpr (BN == 256) {
+          fp8_gated_halves(std::integral_constant<int, BN / 2>{});
+        } else if constexpr (BN == 192) {
           if (t.n_block % 2 == 0)
             fp8_tile(std::integral_constant<int, 64>{});  // rows 192 n: a scale block starts at column 128
           else
@@ -993,7 +1092,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (t.valid && !idle) {
         if constexpr (kEpi == Epilogue::gated_quantized) {
-          const bool second = t.n_block % 2 == 1;  // the tile whose codes are staged
+          const bool second = codes_staged(t);
           if (second) named_sync(5 + math, 128 + kCopyThreads);
           quantized_gated_epilogue<T, BN>(
               p, acc, t.expert, t.row, t.n_block, math,
