@@ -153,10 +153,6 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t bar, uint32_t rank)
 enum class Epilogue : uint8_t { gated_activation, gated_quantized, activation, store_rows };
 template <Epilogue kEpi>
 constexpr bool kGated = kEpi == Epilogue::gated_activation || kEpi == Epilogue::gated_quantized;
-// Tiles a block takes one after the other as one unit of work: gated_quantized's 128-wide tiles (64 gate and 64 up
-// rows) come in twos that make one 128-wide group of the intermediate; its 256-wide tiles are a group each.
-template <Epilogue kEpi, int BN>
-constexpr int kUnitTiles = kEpi == Epilogue::gated_quantized&& BN == 128 ? 2 : 1;
 
 struct GemmParams {
   ExpertsArgs a;                          // sizes, activation, biases
@@ -217,20 +213,13 @@ constexpr bool staged_epilogue() {
   return !kGatherA && (kEpi == Epilogue::store_rows || kEpi == Epilogue::gated_quantized ||
                        (!kFp8 && kEpi == Epilogue::gated_activation));
 }
-// gated_quantized in 128-wide tiles: each math warpgroup keeps the first tile's activated values (BN / 4 a thread)
-// until the second.
-template <int BN>
-constexpr int kStashBytes = BN / 4 * 128 * 4;
-template <int BN, Epilogue kEpi>
-constexpr int kEpilogueStashBytes = kEpi == Epilogue::gated_quantized&& BN == 128 ? kMathGroups* kStashBytes<BN> : 0;
 // 2-byte columns of a staged row: the tile's outputs, or gated_quantized's group of 128 codes (as 64 2-byte units).
 template <int BN, Epilogue kEpi>
 constexpr int kStagedCols = kEpi == Epilogue::gated_quantized ? 64 : kOutCols<BN, kEpi>;
-// Shared memory of the epilogues: the staging buffers, then gated_quantized's stashes.
+// Shared memory of the epilogues: the staging buffers.
 template <int BN, bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr int staged_epilogue_bytes() {
-  return (staged_epilogue<kFp8, kEpi, kGatherA>() ? kMathGroups * kStagedBytes<kStagedCols<BN, kEpi>> : 0) +
-         kEpilogueStashBytes<BN, kEpi>;
+  return staged_epilogue<kFp8, kEpi, kGatherA>() ? kMathGroups * kStagedBytes<kStagedCols<BN, kEpi>> : 0;
 }
 // The dynamic shared memory a block may use, and what a pipeline of kStages takes: the stages (their base is
 // aligned to the swizzle atom's 1 KB by the declaration), the staging buffers and the full/empty barriers.
@@ -443,23 +432,20 @@ __device__ __forceinline__ float2 gated_pair_as(const ExpertsArgs& a, const floa
 }
 
 // FP8's gated first projection quantised in its epilogue (Epilogue::gated_quantized), in place of float rows
-// and a pass of quantize_rows over them. A unit is the two tiles (n blocks 2g and 2g + 1) whose 64 + 64 outputs
-// make the intermediate's 128-wide group g. After the first, each thread keeps its activated values in
-// `stash` (value v of thread t at [v][t]: no bank conflicts, and no barrier, since each thread reads only
-// its own); after the second, a quad holds a row's 128 values, so two shuffles give the row's largest
-// magnitude, and each value becomes the e4m3 code of value / scale: bit for bit what quantize_rows writes
+// and a pass of quantize_rows over them. A tile is 256 wide: the 128 gate and 128 up rows of the intermediate's
+// 128-wide group n_block, so that once they are activated a quad holds a row's 128 values, two shuffles give the
+// row's largest magnitude, and each value becomes the e4m3 code of value / scale: bit for bit what quantize_rows writes
 // from the float rows (the same activated floats, scale and rounding). The codes go to the warpgroup's staging
 // buffer (`staged`: 64 rows of 128 codes), which the copying warps store; the scales go straight to out_scales.
 // The activation, and whether there are biases, are chosen once for the tile: chosen per pair, the branches and the
 // call's set-up split the unrolled loop into pieces that missed the instruction cache.
 template <typename T, int BN>
 __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, const float* acc, int64_t expert,
-                                                         int64_t tile_row, int n_block, int math, float* stash,
-                                                         uint8_t* staged) {
+                                                         int64_t tile_row, int n_block, int math, uint8_t* staged) {
+  static_assert(BN == 256, "a tile holds its whole group of the intermediate");
   constexpr int kHalf = BN / 4;
-  constexpr bool kWhole = BN == 256;  // the tile holds its whole group (128 gate and 128 up columns)
   const ExpertsArgs& a = p.a;
-  const int thread = threadIdx.x % 128, warp = thread / 32, lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * 2 * a.intermediate : nullptr;
   const int64_t col_base = int64_t{n_block} * (BN / 2);
   float h[kHalf];
@@ -476,22 +462,9 @@ __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, co
     activate_tile.template operator()<true, true>();
   else
     activate_tile.template operator()<false, true>();
-  float first[kWhole ? 1 : kHalf];
-  if constexpr (!kWhole) {
-    if (n_block % 2 == 0) {
-#pragma unroll
-      for (int i = 0; i < kHalf; ++i) stash[i * 128 + thread] = h[i];
-      return;
-    }
-#pragma unroll
-    for (int i = 0; i < kHalf; ++i) first[i] = stash[i * 128 + thread];
-  }
   float amax[2] = {0.0f, 0.0f};  // rows r and r + 8 of the thread
 #pragma unroll
-  for (int i = 0; i < kHalf; ++i) {
-    const float m = kWhole ? fabsf(h[i]) : fmaxf(fabsf(first[i]), fabsf(h[i]));
-    amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], m);
-  }
+  for (int i = 0; i < kHalf; ++i) amax[(i >> 1) & 1] = fmaxf(amax[(i >> 1) & 1], fabsf(h[i]));
   float scale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -507,24 +480,18 @@ __device__ __forceinline__ void quantized_gated_epilogue(const GemmParams& p, co
     const float2 q = make_float2(divide_by_scale(v0, divisor[r]), divide_by_scale(v1, divisor[r]));
     return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3));
   };
-  const int64_t group = kWhole ? n_block : n_block / 2, row_base = tile_row + math * 64;
+  const int64_t row_base = tile_row + math * 64;
   constexpr int kPitch = kStagedPitch<64>;
   static_assert(kPitch == 128 + 16, "a staged row holds a group's 128 codes");
 #pragma unroll
   for (int i = 0; i < kHalf; i += 2) {
-    const int r = (i >> 1) & 1;
     uint8_t* const at = staged + acc_row(warp, lane, i) * kPitch + acc_col(lane, i);
-    if constexpr (kWhole) {
-      *reinterpret_cast<uint16_t*>(at) = codes2(h[i], h[i + 1], r);
-    } else {
-      *reinterpret_cast<uint16_t*>(at) = codes2(first[i], first[i + 1], r);
-      *reinterpret_cast<uint16_t*>(at + 64) = codes2(h[i], h[i + 1], r);
-    }
+    *reinterpret_cast<uint16_t*>(at) = codes2(h[i], h[i + 1], (i >> 1) & 1);
   }
   if (lane % 4 == 0)
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      p.out_scales[group * p.out_scale_rows + row_base + acc_row(warp, lane, 2 * r)] = scale[r];
+      p.out_scales[n_block * p.out_scale_rows + row_base + acc_row(warp, lane, 2 * r)] = scale[r];
 }
 
 // The epilogue of one warpgroup's 64 rows: into out, or (kStaged) into its staging buffer
@@ -644,8 +611,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   static_assert(kCluster == 1 || kCluster == 2);
   static_assert(!(kGatherA && kFp8), "the gathering producer copies 2-byte rows");
-  static_assert(kEpi != Epilogue::gated_quantized || (kFp8 && (BN == 128 || BN == 256)),
-                "gated_quantized: FP8 tiles of 64 or 128 outputs");
+  static_assert(kEpi != Epilogue::gated_quantized || (kFp8 && BN == 256),
+                "gated_quantized: FP8 tiles of 128 outputs, a whole group of the intermediate");
   using In = std::conditional_t<kFp8, f8_e4m3, T>;  // operand type
   using Out = std::conditional_t<kFp8 && kEpi != Epilogue::store_rows, float, T>;
   // What the copying warps store: the 2-byte outputs, or gated_quantized's e4m3 codes two at a time.
@@ -686,13 +653,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // reconfiguration (setmaxnreg), ptxas kept it in local memory.
   auto unit_count = [&] { return (m_tiles + kCluster - 1) / kCluster * p.n_blocks; };
   const int64_t first_unit = blockIdx.x / kCluster, unit_step = gridDim.x / kCluster;
-  // The next tile a block takes: the next of its unit's kUnitTiles, or the first of its next unit. gated_quantized
-  // reads the step where it is used (gridDim is a constant): held across setmaxnreg, it spilled there once that
-  // epilogue staged its codes (and read so by every epilogue, the bf16 ones spilled other values instead).
+  // The next unit a block takes. gated_quantized reads the step where it is used (gridDim is a constant): held
+  // across setmaxnreg, it spilled there once that epilogue staged its codes (and read so by every epilogue, the
+  // bf16 ones spilled other values instead).
   auto advance = [&](int64_t unit) {
-    constexpr int kTiles = kUnitTiles<kEpi, BN>;
-    const int64_t step = kEpi == Epilogue::gated_quantized ? int64_t{gridDim.x / kCluster} : unit_step;
-    return unit % kTiles != kTiles - 1 ? unit + 1 : unit + 1 + (step - 1) * kTiles;
+    return unit + (kEpi == Epilogue::gated_quantized ? int64_t{gridDim.x / kCluster} : unit_step);
   };
   // This block's row tile and expert in a unit, and whether the pair shares its weight tile. A block
   // walks its units in order, so the row tiles only grow: `hint`, the expert of the pair's first tile
@@ -739,8 +704,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                        : p.idle_padding && p.padded_pair && p.padded_pair[t.m_tile * kBlockM + math * 64] < 0);
   };
   constexpr int kCols = kStagedCols<BN, kEpi>;
-  // gated_quantized: the tile whose codes are staged (in 128-wide tiles, the second of its pair; 256 wide, each).
-  auto codes_staged = [&](const Tile& t) { return kUnitTiles<kEpi, BN> == 1 || t.n_block % 2 == 1; };
 
   // Warp-uniform as the compiler can see (a shuffle from lane 0), so that what derives from it (the math
   // warpgroups' operand descriptors) can live in uniform registers.
@@ -759,7 +722,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       int64_t hint = 0;
-      for (int64_t unit = first_unit * kUnitTiles<kEpi, BN>, units = unit_count(); unit < units; unit = advance(unit)) {
+      for (int64_t unit = first_unit, units = unit_count(); unit < units; unit = advance(unit)) {
         const Tile t = tile_of(unit, hint);
         int32_t token[kGatherA ? 8 : 1];
         if constexpr (kGatherA) {
@@ -824,13 +787,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int m = 0; m < kMathGroups; ++m) named_arrive(5 + m, 128 + kCopyThreads);  // both buffers free
         int64_t hint = 0;
-        for (int64_t unit = first_unit * kUnitTiles<kEpi, BN>, units = unit_count(); unit < units;
-             unit = advance(unit)) {
+        for (int64_t unit = first_unit, units = unit_count(); unit < units; unit = advance(unit)) {
           const Tile t = tile_of(unit, hint);
           if (!t.valid) continue;
-          // gated_quantized: the second tile of each pair stages its group's 128 codes a row (as 64 2-byte units).
-          if (kEpi == Epilogue::gated_quantized && !codes_staged(t)) continue;
-          const int64_t col_base = int64_t{t.n_block / kUnitTiles<kEpi, BN>} * kCols;
+          // gated_quantized stages its group's 128 codes a row (as 64 2-byte units).
+          const int64_t col_base = int64_t{t.n_block} * kCols;
           auto* const out_rows = static_cast<Staged*>(p.out);
           const int64_t outputs = kEpi == Epilogue::gated_quantized ? p.outputs / 2 : p.outputs;
 #pragma unroll
@@ -877,7 +838,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t row_scales0 =
         cute::cast_smem_ptr_to_uint(smem + kScaleOffset) + 4 * (math * 64 + acc_row(warp, lane, 0));
     int64_t hint = 0;
-    for (int64_t unit = first_unit * kUnitTiles<kEpi, BN>, units = unit_count(); unit < units; unit = advance(unit)) {
+    for (int64_t unit = first_unit, units = unit_count(); unit < units; unit = advance(unit)) {
       const Tile t = tile_of(unit, hint);
       float weight[2] = {1.0f, 1.0f};
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
@@ -1092,16 +1053,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (t.valid && !idle) {
         if constexpr (kEpi == Epilogue::gated_quantized) {
-          const bool second = codes_staged(t);
-          if (second) named_sync(5 + math, 128 + kCopyThreads);
-          quantized_gated_epilogue<T, BN>(
-              p, acc, t.expert, t.row, t.n_block, math,
-              reinterpret_cast<float*>(staged + kMathGroups * kStagedBytes<kCols> + math * kStashBytes<BN>),
-              staged + math * kStagedBytes<kCols>);
-          if (second) {
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the codes, to the bulk copy engine
-            named_arrive(3 + math, 128 + kCopyThreads);
-          }
+          named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's codes
+          quantized_gated_epilogue<T, BN>(p, acc, t.expert, t.row, t.n_block, math,
+                                          staged + math * kStagedBytes<kCols>);
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the codes, to the bulk copy engine
+          named_arrive(3 + math, 128 + kCopyThreads);
         } else if constexpr (kStaged) {
           named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's rows
           store_epilogue<T, Out, BN, kEpi, true>(p, acc, weight, t.expert, t.row, t.n_block, math,
