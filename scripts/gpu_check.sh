@@ -15,7 +15,7 @@
 # at a time under ncu, so programmatic-launch overlap is not in these numbers. NCU_MOEKIT names the binary (default gpu-bundle/moekit).
 # profile: Nsight Compute on the Hopper GEMM alone, one launch per case of PROFILE_CASES (';'-separated `moekit
 # bench-gemm` arguments): throughputs and warp stalls (profile_N.txt), and stall samples per SASS instruction
-# (profile_N_sass.csv) for reading where the math warps wait.
+# (profile_N_sass.csv) for reading where the math warps wait. NCU_MOEKIT names the binary here too.
 # kprofile: the same Nsight Compute sections on one kernel of a `moekit bench` run: KPROFILE_KERNEL (a regex of the
 # kernel's name, default the quantised batched_mm up kernel) in KPROFILE_CASES (';'-separated `moekit bench`
 # arguments, one case each), one launch after KPROFILE_SKIP (default 2) skipped (kprofile_N.txt, kprofile_N_sass.csv). NCU_MOEKIT names the binary here too.
@@ -107,7 +107,7 @@ if [[ $what == profile ]]; then
     ncu --clock-control none -k regex:grouped_gemm_kernel --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
       --section ComputeWorkloadAnalysis --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
-      -f -o "$out/profile_$i" ./gpu-bundle/moekit bench-gemm --device cuda --warmup 1 --repeats 1 --json '' ${cases[$i]} \
+      -f -o "$out/profile_$i" "${NCU_MOEKIT:-./gpu-bundle/moekit}" bench-gemm --device cuda --warmup 1 --repeats 1 --json '' ${cases[$i]} \
       >"$out/profile_$i.log" 2>&1
     tail -3 "$out/profile_$i.log"; rm -f "$out/profile_$i.log"
     ncu -i "$out/profile_$i.ncu-rep" --page details >"$out/profile_$i.txt" 2>&1
