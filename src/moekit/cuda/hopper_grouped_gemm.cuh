@@ -878,32 +878,48 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       } else if constexpr (kFp8) {
-        // kSplit: the accumulators [0, kSplit) (columns below 2 kSplit) take the first weight scale block, the
-        // rest the second. A constant of each instantiation of the loop, so that picking costs nothing.
-        auto fp8_tile = [&](auto split) {
-          constexpr int kSplit = decltype(split)::value;
-          // FP8. Everything block kb + 1 needs before its wgmma batch (its stage's "full" barrier, its row scales,
-          // its weight scales) is done while block kb's batch runs, so that after the batch only the stage's
-          // release and the promotion stand before the next batch (measured: with that work between the
-          // promotion and the next batch, each warp's chain of dependent instructions, not the tensor cores,
-          // set the pace).
-          auto wait_and_read_rows = [&](int kb, float(&a_scale)[2]) {
-            wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
-            const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
-            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
-            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
-          };
-          // Weight scales are requested two blocks ahead into two slots used alternately (the loop body is
-          // written out twice): with one register carried from load to use, the compiler copied it right after
-          // the load and so waited for the load.
-          float a_scale[2];
+        // FP8. Everything block kb + 1 needs before its wgmma batch (its stage's "full" barrier, its row scales,
+        // its weight scales) is done while block kb's batch runs, so that after the batch only the stage's
+        // release and the promotion stand before the next batch (measured: with that work between the
+        // promotion and the next batch, each warp's chain of dependent instructions, not the tensor cores,
+        // set the pace).
+        float a_scale[2];  // the row scales of the block (rows r and r + 8 of the thread)
+        auto wait_and_read_rows = [&](int kb) {
+          wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
+          const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
+        };
+        // Block kb's scales, [row r, r + 8][the first or second weight scale block], from its weight scale bits
+        // `b_bits`, which then take block kb + 2's.
+        auto block_scales = [&](int kb, uint32_t(&b_bits)[2], float(&scale)[2][2]) {
+          const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
+          const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
+          b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
+          b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
+        };
+        // Runs block(kb, slot) over the tile's blocks. Weight scales are requested two blocks ahead into two slots
+        // used alternately (the loop body is written out twice): with one register carried from load to use, the
+        // compiler copied it right after the load and so waited for the load.
+        auto each_block = [&](auto&& block) {
           uint32_t b_slot[2][2];
 #pragma unroll
           for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
-          wait_and_read_rows(0, a_scale);
-          auto block = [&](int kb, uint32_t(&b_bits)[2]) {
+          wait_and_read_rows(0);
+          for (int kb = 0; kb < p.k_blocks; kb += 2) {
+            block(kb, b_slot[0]);
+            if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
+          }
+        };
+        // kSplit: the accumulators [0, kSplit) (columns below 2 kSplit) take the first weight scale block, the
+        // rest the second. A constant of each instantiation of the loop, so that picking costs nothing.
+        auto fp8_tile = [&](auto split) {
+          constexpr int kSplit = decltype(split)::value;
+          each_block([&](int kb, uint32_t(&b_bits)[2]) {
             const int issued = stage;
             const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
 #pragma unroll
@@ -918,26 +934,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
             float scale[2][2];
-            const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
-            const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
-            b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
-            b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
+            block_scales(kb, b_bits, scale);
             if (++stage == kStages) stage = 0, phase ^= 1;
             // While the batch runs: block kb + 1's stage and row scales.
-            if (kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1, a_scale);
+            if (kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1);
             cute::warpgroup_wait<0>();
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
             release(issued);
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < kSplit ? 0 : 1], acc[i]);
-          };
-          for (int kb = 0; kb < p.k_blocks; kb += 2) {
-            block(kb, b_slot[0]);
-            if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
-          }
+          });
         };
         // gated_quantized 256 wide: each 128-deep block's products in two batches of m64n128k32, the gate rows' and
         // then the up rows', into one set of 64 accumulators promoted after each (two sets of 128 would not leave the
@@ -949,29 +956,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           using HalfOp = typename WgmmaOp<In, kHalfN>::type;
           constexpr int kPart = kHalfN / 2;  // accumulators of a half
           const bool interleaved = p.interleaved;
-          auto wait_and_read_rows = [&](int kb, float(&a_scale)[2]) {
-            wait_stage(full_at + 8 * stage, phase, "full", unit, kb, stage, t.m_tile, t.expert, t.multicast + 2 * math);
-            const uint32_t at = row_scales0 + static_cast<uint32_t>(stage * kStageBytes);
-            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
-            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
-          };
-          float a_scale[2];
-          uint32_t b_slot[2][2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
-          wait_and_read_rows(0, a_scale);
-          auto block = [&](int kb, uint32_t(&b_bits)[2]) {
+          each_block([&](int kb, uint32_t(&b_bits)[2]) {
             const int issued = stage;
             const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
-            const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
-            float scale[2][2];  // [row r, r + 8][the first or second weight scale block]
-#pragma unroll
-            for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
-            const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
-            b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
-            b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
+            float scale[2][2];
+            block_scales(kb, b_bits, scale);
             if (++stage == kStages) stage = 0, phase ^= 1;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -994,7 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
               for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
               // While the up rows' batch runs: block kb + 1's stage and row scales.
-              if (h == 1 && kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1, a_scale);
+              if (h == 1 && kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1);
               cute::warpgroup_wait<0>();
 #pragma unroll
               for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
@@ -1004,11 +993,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 acc[h * kPart + i] =
                     fmaf(part[i], i < kPart / 2 ? low[(i >> 1) & 1] : high[(i >> 1) & 1], acc[h * kPart + i]);
             }
-          };
-          for (int kb = 0; kb < p.k_blocks; kb += 2) {
-            block(kb, b_slot[0]);
-            if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
-          }
+          });
         };
         static_assert(BN == 128 || (BN == 192 && !kGated<kEpi>) || (BN == 256 && kEpi == Epilogue::gated_quantized),
                       "FP8 tiles: 128 wide, 192 ungated, or 256 gated_quantized");
