@@ -10,9 +10,9 @@
 // deepgemm also runs FP8 e4m3 weights with 128 x 128 block scales (f32 or ue8m0) when H and I are
 // multiples of 128: each token's row is quantised once per 1 x 128 group, and its codes and scales are
 // copied to its padded rows (the scales stored K-block-major, [H / 128, rows], for the copy engine); the
-// first GEMM writes the activated intermediate in float, a pass quantises it the same way, and the second
-// GEMM reads it in e4m3;
-// the GEMMs take 128-wide weight tiles and apply the scales per 128-deep block.
+// gated first GEMM quantises the activated intermediate the same way in its epilogue (an ungated one writes it in
+// float, and a pass quantises it), and the second GEMM reads it in e4m3; the GEMMs apply the scales per 128-deep
+// block (tile widths: kTileN below).
 // The combine is launch_combine_rows' (pairs added in k order, in float), so results are deterministic.
 // Both projections go through run_projection, which hopper_grouped_gemm (hopper_gemm.h) also calls to
 // run one of these GEMMs alone.
