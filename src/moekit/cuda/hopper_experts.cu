@@ -44,11 +44,12 @@ using hopper::kBlockM;
 // two 33 KB); FP8's gated_activation first projection 128 wide (its second set of accumulators takes the registers
 // of a wider tile) at 6 x 34 KB; FP8's gated_quantized 256 wide, a whole 128-wide group of the intermediate a tile
 // whose gate and up halves take turns on one set of accumulators (session 24: its GEMM 1.17-1.18x as fast as pairs
-// of 128-wide tiles), at 4 x 49 KB beside its two 9 KB staging buffers; FP8's second projection 192 wide (session 20:
-// its GEMM 1.035-1.125x as fast as 128 wide), 4 x 41 KB beside its two 25 KB staging buffers.
+// of 128-wide tiles), at 4 x 49 KB beside its two 9 KB staging buffers; FP8's second projection 256 wide in the same
+// two halves, one weight scale block each (192 wide before: session 20, its GEMM 1.035-1.125x as fast as 128 wide),
+// 3 x 49 KB beside its two 33 KB staging buffers.
 template <bool kFp8, Epilogue kEpi>
 constexpr int kTileN = !kFp8                               ? 256
-                       : kEpi == Epilogue::store_rows      ? 192
+                       : kEpi == Epilogue::store_rows      ? 256
                        : kEpi == Epilogue::gated_quantized ? 256
                                                            : 128;
 template <bool kFp8, Epilogue kEpi, bool kGatherA>
@@ -57,7 +58,7 @@ static_assert(kStages<false, Epilogue::gated_activation, false> == 4 &&
               kStages<false, Epilogue::store_rows, false> == 3 &&
               kStages<false, Epilogue::gated_activation, true> == 4 &&
               kStages<true, Epilogue::gated_activation, false> == 6 &&
-              kStages<true, Epilogue::gated_quantized, false> == 4 && kStages<true, Epilogue::store_rows, false> == 4);
+              kStages<true, Epilogue::gated_quantized, false> == 4 && kStages<true, Epilogue::store_rows, false> == 3);
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;

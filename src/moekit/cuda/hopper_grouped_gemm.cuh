@@ -844,8 +844,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
       // FP8: where the two weight scale blocks of the tile start. 128 wide: those of its two 64-row halves
       // (gated: its gate and up rows); gated 256 wide: those of its gate and up rows (interleaved rows: those of
-      // its columns 0-63 and 64-127, gate and up rows alike); 192 wide: the 128-row block of its first row and the next
-      // one (the last block where there is none), which its columns from 128 (even column blocks) or 64 (odd) on take.
+      // its columns 0-63 and 64-127, gate and up rows alike); 192 and 256 wide: the 128-row block of its first row and
+      // the next one (the last block where there is none), which its columns from 128 (192 wide: even column blocks;
+      // 256 wide: all) or 64 (192 wide, odd) on take.
       const uint8_t* scale_base[2] = {nullptr, nullptr};
       if constexpr (kFp8) {
 #pragma unroll
@@ -946,16 +947,17 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < kSplit ? 0 : 1], acc[i]);
           });
         };
-        // gated_quantized 256 wide: each 128-deep block's products in two batches of m64n128k32, the gate rows' and
-        // then the up rows', into one set of 64 accumulators promoted after each (two sets of 128 would not leave the
-        // registers for anything else). A tile is then a whole group of the intermediate: its epilogue needs no stash,
-        // and each A tile is loaded once for the 256 weight rows of a group, not twice.
+        // 256 wide: each 128-deep block's products in two batches of m64n128k32, one per 128-row half of the weight
+        // tile (gated: the gate rows', then the up rows'), into one set of 64 accumulators promoted after each (two
+        // sets of 128 would not leave the registers for anything else). gated_quantized's tile is then a whole group
+        // of the intermediate, and store_rows' halves each take one weight scale block (192 wide, a scale block
+        // crossed its tiles; 256 wide, each A tile is loaded for 256 weight rows rather than 192).
         // Generic in the half's width so that only the 256-wide instantiations, which call it, compile its body.
-        auto fp8_gated_halves = [&](auto half_rows) {
+        auto fp8_halves = [&](auto half_rows) {
           constexpr int kHalfN = decltype(half_rows)::value;
           using HalfOp = typename WgmmaOp<In, kHalfN>::type;
           constexpr int kPart = kHalfN / 2;  // accumulators of a half
-          const bool interleaved = p.interleaved;
+          const bool interleaved = kGated<kEpi> && p.interleaved;
           each_block([&](int kb, uint32_t(&b_bits)[2]) {
             const int issued = stage;
             const uint32_t stage_offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
@@ -995,10 +997,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           });
         };
-        static_assert(BN == 128 || (BN == 192 && !kGated<kEpi>) || (BN == 256 && kEpi == Epilogue::gated_quantized),
-                      "FP8 tiles: 128 wide, 192 ungated, or 256 gated_quantized");
+        static_assert(BN == 128 || (BN == 192 && !kGated<kEpi>) ||
+                          (BN == 256 && (kEpi == Epilogue::gated_quantized || kEpi == Epilogue::store_rows)),
+                      "FP8 tiles: 128 wide, 192 ungated, or 256 gated_quantized or store_rows");
         if constexpr (BN == 256) {
-          fp8_gated_halves(std::integral_constant<int, BN / 2>{});
+          fp8_halves(std::integral_constant<int, BN / 2>{});
         } else if constexpr (BN == 192) {
           if (t.n_block % 2 == 0)
             fp8_tile(std::integral_constant<int, 64>{});  // rows 192 n: a scale block starts at column 128
