@@ -45,7 +45,7 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   if (const Support s = hopper_grouped_gemm_supports_device(Device::cuda()); !s) GTEST_SKIP() << s.reason;
   const GemmCase c = GetParam();
   const Device gpu = Device::cuda();
-  // N = 384 leaves the bf16 kernel's second 256-wide column block partly outside (gated too: 192 outputs);
+  // N = 384 leaves the second 256-wide column block partly outside (bf16 and FP8 store; bf16 gated: 192 outputs);
   // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there.
   // Masked: max_m = 384, and the last group's 400 rows count as its 384.
   const std::vector<int64_t> rows_per_group =
@@ -66,8 +66,8 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   Tensor w = Tensor::empty({G, N, K}, DType::f32), x = Tensor::empty({M, K}, DType::f32);
   fill_uniform(w, 1.0f / std::sqrt(static_cast<float>(K)), 31);
   // Each 128 x 128 block of a group's weights times its own power of two, so that FP8's block scales differ by 2x
-  // to 8x from their neighbours': a tile column that took a neighbouring block's scale (the 192-wide tiles of the
-  // second projection straddle blocks at column 64 or 128) is off by a factor of 2 or more.
+  // to 8x from their neighbours': a tile column that took a neighbouring block's scale (a 256-wide tile's halves take
+  // one block each; the last tile's second half, past N, takes none) is off by a factor of 2 or more.
   vary_block_magnitudes(w);
   fill_uniform(x, 1.0f, 32);
   GroupedGemmProblem p;

@@ -19,8 +19,8 @@
 // With masked_m set (the masked layout), a tile's rows start inside its group's block of rows.
 // kFp8 (deepgemm's FP8 experts): e4m3 operands with block scales, promoted per 128-deep block (see the
 // kernel); the gated first projection's epilogue quantises its outputs into e4m3 codes and scales
-// (gated_quantized), the ungated one stores float, which a separate pass quantises. FP8 tiles are 128 wide, or
-// 192 (the second projection: hopper_experts.cu's kTileN), whose columns cross a 128-row block of weight scales.
+// (gated_quantized), the ungated one stores float, which a separate pass quantises. FP8 tiles are 256 wide (the
+// second projection and gated_quantized: hopper_experts.cu's kTileN), or 128 (the float-row first projections).
 // Epilogues with 2-byte outputs (both projections in bf16/f16, FP8's second) and FP8's gated e4m3 codes write each
 // warpgroup's rows to a shared-memory buffer and go on to the next tile while warps 1-3 of the producer warpgroup
 // copy them out (staged_epilogue, named barriers 3-6); with kGatherA, and for FP8's float rows, the math warpgroups
@@ -273,10 +273,6 @@ struct WgmmaOp<f8_e4m3, 128> {
 template <>
 struct WgmmaOp<f8_e4m3, 256> {  // named for the 256-wide tiles, which issue two m64n128 batches instead
   using type = cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct WgmmaOp<f8_e4m3, 192> {
-  using type = cute::SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>;
 };
 
 // Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: rows of 128 bytes,
@@ -844,9 +840,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t.valid) row_weights<T, kEpi>(p, t.m_tile, math, weight);
       // FP8: where the two weight scale blocks of the tile start. 128 wide: those of its two 64-row halves
       // (gated: its gate and up rows); gated 256 wide: those of its gate and up rows (interleaved rows: those of
-      // its columns 0-63 and 64-127, gate and up rows alike); 192 and 256 wide: the 128-row block of its first row and
-      // the next one (the last block where there is none), which its columns from 128 (192 wide: even column blocks;
-      // 256 wide: all) or 64 (192 wide, odd) on take.
+      // its columns 0-63 and 64-127, gate and up rows alike); store_rows 256 wide: those of its two 128-row halves
+      // (the last block where the second half is past the weights' rows).
       const uint8_t* scale_base[2] = {nullptr, nullptr};
       if constexpr (kFp8) {
 #pragma unroll
@@ -916,8 +911,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
           }
         };
-        // kSplit: the accumulators [0, kSplit) (columns below 2 kSplit) take the first weight scale block, the
-        // rest the second. A constant of each instantiation of the loop, so that picking costs nothing.
+        // 128 wide. kSplit: the accumulators [0, kSplit) (columns below 2 kSplit, the first 64-row half's) take the
+        // first weight scale block, the rest the second. Generic so that only the 128-wide instantiations compile it.
         auto fp8_tile = [&](auto split) {
           constexpr int kSplit = decltype(split)::value;
           each_block([&](int kb, uint32_t(&b_bits)[2]) {
@@ -950,8 +945,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // 256 wide: each 128-deep block's products in two batches of m64n128k32, one per 128-row half of the weight
         // tile (gated: the gate rows', then the up rows'), into one set of 64 accumulators promoted after each (two
         // sets of 128 would not leave the registers for anything else). gated_quantized's tile is then a whole group
-        // of the intermediate, and store_rows' halves each take one weight scale block (192 wide, a scale block
-        // crossed its tiles; 256 wide, each A tile is loaded for 256 weight rows rather than 192).
+        // of the intermediate, and each of store_rows' halves takes one weight scale block.
         // Generic in the half's width so that only the 256-wide instantiations, which call it, compile its body.
         auto fp8_halves = [&](auto half_rows) {
           constexpr int kHalfN = decltype(half_rows)::value;
@@ -997,19 +991,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           });
         };
-        static_assert(BN == 128 || (BN == 192 && !kGated<kEpi>) ||
-                          (BN == 256 && (kEpi == Epilogue::gated_quantized || kEpi == Epilogue::store_rows)),
-                      "FP8 tiles: 128 wide, 192 ungated, or 256 gated_quantized or store_rows");
-        if constexpr (BN == 256) {
+        static_assert(BN == 128 || (BN == 256 && (kEpi == Epilogue::gated_quantized || kEpi == Epilogue::store_rows)),
+                      "FP8 tiles: 128 wide, or 256 for gated_quantized and store_rows");
+        if constexpr (BN == 256)
           fp8_halves(std::integral_constant<int, BN / 2>{});
-        } else if constexpr (BN == 192) {
-          if (t.n_block % 2 == 0)
-            fp8_tile(std::integral_constant<int, 64>{});  // rows 192 n: a scale block starts at column 128
-          else
-            fp8_tile(std::integral_constant<int, 32>{});  // rows 192 n = 128 (3n / 2) + 64: at column 64
-        } else {
+        else
           fp8_tile(std::integral_constant<int, BN / 4>{});  // the two 64-row halves
-        }
       } else {
         int previous = -1;
         for (int kb = 0; kb < p.k_blocks; ++kb) {
