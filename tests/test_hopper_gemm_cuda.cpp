@@ -2,7 +2,8 @@
 // the very operand values it reads (bf16, or e4m3 codes times their scales), on a small shape with
 // several groups, row counts that are not multiples of 128 (padding inside tiles), an empty group and
 // a column block of N that is only partly inside; in the contiguous layout and in the masked one (one
-// group's masked_m past max_m, which counts as max_m). Needs a compute capability 9.0 GPU; skips elsewhere.
+// group's masked_m past max_m, which counts as max_m); and 80 groups of which four have rows (tile lookups that
+// walk many empty groups). Needs a compute capability 9.0 GPU; skips elsewhere.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,6 +32,9 @@ struct GemmCase {
   // K: 384 is 6 (bf16) or 3 (FP8) pipeline stages, so the stage ring wraps around within a tile; 1,152 is deep
   // enough (>= 1,024) for the contiguous layout's tiles to run in clusters of two blocks sharing weight tiles.
   int64_t depth = 384;
+  // 80 groups, four of them with rows, far apart (0, 37, 71, 79): a block's first lookup of a tile's group walks
+  // more than 32 groups (expert_of_from_warp's second load of starts) past empty ones.
+  bool sparse = false;
 };
 
 class HopperGroupedGemmCuda : public ::testing::TestWithParam<GemmCase> {};
@@ -48,8 +52,12 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   // N = 384 leaves the second 256-wide column block partly outside (bf16 and FP8 store; bf16 gated: 192 outputs);
   // FP8's gated outputs must fill whole 128 scale blocks, so N = 512 there.
   // Masked: max_m = 384, and the last group's 400 rows count as its 384.
-  const std::vector<int64_t> rows_per_group =
+  std::vector<int64_t> rows_per_group =
       c.masked ? std::vector<int64_t>{100, 0, 257, 128, 400} : std::vector<int64_t>{100, 0, 257, 128, 1};
+  if (c.sparse) {
+    rows_per_group.assign(80, 0);
+    rows_per_group[0] = 1, rows_per_group[37] = 130, rows_per_group[71] = 300, rows_per_group[79] = 5;
+  }
   const auto G = static_cast<int64_t>(rows_per_group.size());
   const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
   const int64_t N = c.fp8 && gated ? 512 : 384, K = c.depth, max_m = 384;
@@ -199,7 +207,10 @@ INSTANTIATE_TEST_SUITE_P(
         GemmCase{"deep_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, false, false, 1152},
         GemmCase{"deep_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, false, false, 1152},
         GemmCase{"deep_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, false, false, 1152},
-        GemmCase{"deep_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true, 1152}),
+        GemmCase{"deep_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true, 1152},
+        GemmCase{"sparse_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, false, false, 384, true},
+        GemmCase{"sparse_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true, 384, true},
+        GemmCase{"deep_sparse_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, false, false, 1152, true}),
     [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
 
 // The boundary checks answer before any work, with the reason (no GPU needed: a CPU tensor is refused

@@ -657,7 +657,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // This block's row tile and expert in a unit, and whether the pair shares its weight tile. A block
   // walks its units in order, so the row tiles only grow: `hint`, the expert of the pair's first tile
-  // last time, makes the lookup one or two loads.
+  // last time, starts the lookup, a whole warp's (expert_of_from_warp: every caller is a whole warp).
   struct Tile {
     int64_t m_tile;
     int64_t row;  // the tile's first row of A and of out
@@ -674,11 +674,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     t.expert = 0;
     t.multicast = false;
     if (pair * kCluster < m_tiles) {
-      const int64_t first = expert_of_from(p.tile_offsets, experts, pair * kCluster, hint);
+      const int64_t first = expert_of_from_warp(p.tile_offsets, experts, pair * kCluster, hint);
       hint = first;
       if constexpr (kCluster > 1) {
-        const int64_t second =
-            pair * kCluster + 1 < m_tiles ? expert_of_from(p.tile_offsets, experts, pair * kCluster + 1, first) : -1;
+        const int64_t second = pair * kCluster + 1 < m_tiles
+                                   ? expert_of_from_warp(p.tile_offsets, experts, pair * kCluster + 1, first)
+                                   : -1;
         t.expert = static_cast<int>(rank == 0 ? first : second >= 0 ? second : 0);
         t.multicast = second == first;
       } else {
@@ -706,7 +707,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (kGatherA || threadIdx.x == 0) {
+    // The producer: warp 0 (lane 0 issues the copies; the whole warp walks the tiles, whose expert lookup is a
+    // warp's), or with kGatherA the whole warpgroup.
+    if (kGatherA || threadIdx.x < 32) {
       if (threadIdx.x == 0) {
         if constexpr (!kGatherA) cute::prefetch_tma_descriptor(&a_map);
         if constexpr (kFp8) cute::prefetch_tma_descriptor(&s_map);
@@ -749,6 +752,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             TxBarrier::arrive_and_expect_tx(&full[stage], 2 * kHalfBytes);
           } else {
+            if (threadIdx.x != 0) {
+              if (++stage == kStages) stage = 0, phase ^= 1;
+              continue;
+            }
             TxBarrier::arrive_and_expect_tx(&full[stage], kABytes + 2 * kHalfBytes + (kFp8 ? kBlockM * 4 : 0));
             cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.row));
             if constexpr (kFp8)

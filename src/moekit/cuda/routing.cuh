@@ -80,6 +80,25 @@ __device__ __forceinline__ int64_t expert_of_from(const int32_t* starts, int64_t
   if (after > index) return hint + 1;
   return last_start_at_most(starts, hint + 2, experts - 1, index);
 }
+
+// expert_of_from by a whole warp (all 32 lanes call it with the same arguments, and get the same answer): 32
+// consecutive starts a load, one coalesced load when the answer lies within 32 experts of `hint`. The starts are
+// non-decreasing, so those at most `index` are a prefix: its length is the count of a ballot. A persistent kernel
+// whose blocks step over many tiles at a time (the grouped GEMM's grid stride: a dozen experts and more) walked
+// expert_of_from's binary search there, a chain of 5-6 dependent loads a tile.
+__device__ __forceinline__ int64_t expert_of_from_warp(const int32_t* starts, int64_t experts, int64_t index,
+                                                       int64_t hint) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  int64_t e = hint;
+  for (int64_t base = hint + 1; base < experts; base += 32) {
+    const int64_t j = base + lane;
+    const unsigned below = __ballot_sync(0xffffffffu, j < experts && starts[j] <= index);
+    const int n = __popc(below);
+    if (n > 0) e = base + n - 1;
+    if (n < 32) break;
+  }
+  return e;
+}
 #endif
 
 }  // namespace moekit::cuda
