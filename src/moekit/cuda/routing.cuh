@@ -69,23 +69,12 @@ __device__ __forceinline__ int64_t expert_of(const int32_t* starts, int64_t expe
   return last_start_at_most(starts, 0, experts - 1, index);
 }
 
-// expert_of when the answer is known to be at least `hint` (the expert of an earlier index): two
-// independent loads when the index lies in hint's expert or the next one, as it does for a
-// persistent kernel walking its tiles in order; a binary search above them otherwise.
-__device__ __forceinline__ int64_t expert_of_from(const int32_t* starts, int64_t experts, int64_t index, int64_t hint) {
-  if (hint + 1 >= experts) return experts - 1;
-  const int32_t next = starts[hint + 1];
-  const int32_t after = hint + 2 < experts ? starts[hint + 2] : 0x7fffffff;
-  if (next > index) return hint;
-  if (after > index) return hint + 1;
-  return last_start_at_most(starts, hint + 2, experts - 1, index);
-}
-
-// expert_of_from by a whole warp (all 32 lanes call it with the same arguments, and get the same answer): 32
-// consecutive starts a load, one coalesced load when the answer lies within 32 experts of `hint`. The starts are
-// non-decreasing, so those at most `index` are a prefix: its length is the count of a ballot. A persistent kernel
-// whose blocks step over many tiles at a time (the grouped GEMM's grid stride: a dozen experts and more) walked
-// expert_of_from's binary search there, a chain of 5-6 dependent loads a tile.
+// expert_of when the answer is known to be at least `hint` (the expert of an earlier index), by a whole warp: all
+// 32 lanes call it with the same arguments and get the same answer. 32 consecutive starts a load, so one coalesced
+// load when the answer lies within 32 experts of `hint`: the starts are non-decreasing, so those at most `index`
+// are a prefix, whose length is the count of a ballot. For a persistent kernel walking its tiles in order (the
+// grouped GEMM, whose blocks step over a dozen experts and more at a time), where a binary search above the hint
+// was a chain of 5-6 dependent loads a tile.
 __device__ __forceinline__ int64_t expert_of_from_warp(const int32_t* starts, int64_t experts, int64_t index,
                                                        int64_t hint) {
   const int lane = static_cast<int>(threadIdx.x % 32);
