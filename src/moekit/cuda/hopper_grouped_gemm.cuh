@@ -746,16 +746,15 @@ __global__ void __launch_bounds__(kThreads, 1)
               cp_async16(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16), ok ? x + token[i] * p.a.hidden + col : x, ok);
             }
             cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
-            if (threadIdx.x != 0) {
-              if (++stage == kStages) stage = 0, phase ^= 1;
-              continue;
-            }
+          }
+          // The copy engine's part is thread 0's: the A tile (unless gathered), FP8's row scales and the weight tile.
+          if (threadIdx.x != 0) {
+            if (++stage == kStages) stage = 0, phase ^= 1;
+            continue;
+          }
+          if constexpr (kGatherA) {
             TxBarrier::arrive_and_expect_tx(&full[stage], 2 * kHalfBytes);
           } else {
-            if (threadIdx.x != 0) {
-              if (++stage == kStages) stage = 0, phase ^= 1;
-              continue;
-            }
             TxBarrier::arrive_and_expect_tx(&full[stage], kABytes + 2 * kHalfBytes + (kFp8 ? kBlockM * 4 : 0));
             cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, sa, k, static_cast<int>(t.row));
             if constexpr (kFp8)
