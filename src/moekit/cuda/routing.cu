@@ -22,16 +22,17 @@ __device__ __forceinline__ int64_t bucket_of(const ExpertsArgs& a, int64_t pair)
   return e < 0 || e >= a.experts ? a.experts : e;
 }
 
-// The pairs are cut into chunks, a block of count_kernel and of place_rows_kernel each: chunks of kChunkPairs pairs (or
-// a multiple of it), at most kMaxChunks of them, so that the offsets kernel's thread a bucket loads all its chunks'
-// counts at once and a placing warp's run of a chunk is one batch of registers (up to 1,048,576 pairs).
-constexpr int64_t kChunkPairs = 2048, kMaxChunks = 32;
+// The pairs are cut into chunks, a block of count_kernel and of place_rows_kernel each: at most kMaxChunks chunks of a
+// multiple of kChunkPairs pairs, so that the offsets kernel's thread a bucket loads all its chunks' counts at once, a
+// placing warp's run of a chunk is one batch of registers up to 131,072 pairs, and small calls are spread over as many
+// blocks as they can be (with chunks of 2,048, 4,096 pairs were placed by two blocks in 11 us).
+constexpr int64_t kChunkPairs = 256, kMaxChunks = 32;
 int64_t chunk_pairs(int64_t pairs) {
   const int64_t rounds = (pairs + kChunkPairs * kMaxChunks - 1) / (kChunkPairs * kMaxChunks);
   return kChunkPairs * std::max<int64_t>(rounds, 1);
 }
 constexpr std::size_t kMaxSharedCounts = 48 * 1024;  // bytes of counts a block holds without opting in to more
-constexpr int kCountThreads = 512, kPlaceWarps = 8;
+constexpr int kCountThreads = 256, kPlaceWarps = 8;
 constexpr int kPlaceBatch = 16;  // rounds of 32 pairs whose buckets a placing warp loads at once
 
 // Bucket counts of chunk blockIdx.x, to counts[blockIdx.x * (E + 1) + bucket]: in shared memory (kShared), or with
@@ -45,8 +46,8 @@ __global__ void __launch_bounds__(kCountThreads) count_kernel(const ExpertsArgs 
   for (int64_t e = threadIdx.x; e < buckets; e += blockDim.x) local[e] = 0;
   __syncthreads();
   const int64_t first = blockIdx.x * chunk, last = min(first + chunk, P);
-  // kChunkPairs / kCountThreads ids a thread, loaded before their counts are added.
-  constexpr int kAtOnce = static_cast<int>(kChunkPairs / kCountThreads);
+  // kAtOnce ids a thread, loaded before their counts are added.
+  constexpr int kAtOnce = 4;
   for (int64_t i0 = first + threadIdx.x; i0 < last; i0 += int64_t{kAtOnce} * blockDim.x) {
     int64_t bucket[kAtOnce];
 #pragma unroll
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kPlaceWarps * 32, 1)
   int32_t* const chunk_row = counts + blockIdx.x * buckets;
   int32_t* const next = kShared ? next_rows + warp * buckets : chunk_row;
   // The buckets of kPlaceBatch rounds from `from` (-1 past the run), all loads issued before any is used. The first
-  // batch stays in registers for both passes (a run is one batch unless the pairs pass kMaxChunks * kChunkPairs).
+  // batch stays in registers for both passes (a run is one batch up to 131,072 pairs).
   auto load_batch = [&](int64_t from, int32_t(&bucket)[kPlaceBatch]) {
 #pragma unroll
     for (int j = 0; j < kPlaceBatch; ++j) {
