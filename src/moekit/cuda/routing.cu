@@ -31,6 +31,10 @@ int64_t chunk_pairs(int64_t pairs) {
   const int64_t rounds = (pairs + kChunkPairs * kMaxChunks - 1) / (kChunkPairs * kMaxChunks);
   return kChunkPairs * std::max<int64_t>(rounds, 1);
 }
+// Chunks of `pairs` pairs: the rows of counts the workspace holds, and the blocks of the launches (one without pairs).
+int64_t chunk_count(int64_t pairs) {
+  return std::max<int64_t>((pairs + chunk_pairs(pairs) - 1) / chunk_pairs(pairs), 1);
+}
 constexpr std::size_t kMaxSharedCounts = 48 * 1024;  // bytes of counts a block holds without opting in to more
 constexpr int kCountThreads = 256, kPlaceWarps = 8;
 constexpr int kPlaceBatch = 16;  // rounds of 32 pairs whose buckets a placing warp loads at once
@@ -188,8 +192,7 @@ Layout layout(int64_t pairs, int64_t experts) {
   Layout l;
   const auto E1 = static_cast<std::size_t>(experts + 1);
   const auto P = static_cast<std::size_t>(std::max<int64_t>(pairs, 1));
-  const auto chunks =
-      static_cast<std::size_t>((std::max<int64_t>(pairs, 1) + chunk_pairs(pairs) - 1) / chunk_pairs(pairs));
+  const auto chunks = static_cast<std::size_t>(chunk_count(pairs));
   std::size_t at = 0;
   auto take = [&](std::size_t bytes) {
     const std::size_t here = at;
@@ -221,7 +224,7 @@ void route_on_device(const ExpertsArgs& a, int tile_rows, void* workspace, Devic
   r.tile_offsets = reinterpret_cast<int32_t*>(base + l.tiles);
   r.row_pair = reinterpret_cast<int32_t*>(base + l.row_pair);
   r.pair_row = reinterpret_cast<int32_t*>(base + l.pair_row);
-  const int64_t chunk = chunk_pairs(P), chunks = std::max<int64_t>((P + chunk - 1) / chunk, 1);
+  const int64_t chunk = chunk_pairs(P), chunks = chunk_count(P);
   const auto count_bytes = static_cast<std::size_t>(E + 1) * sizeof(int32_t);
   const bool shared = count_bytes <= kMaxSharedCounts;
   const auto grid = static_cast<unsigned>(chunks);
