@@ -44,7 +44,9 @@ Support HopperBackend::supports(const ExpertsProblem& p) const {
     return Support::no(n + " runs FP8 experts in whole 128 x 128 scale blocks: hidden size " +
                        std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +
                        " must be multiples of 128");
+#if MOEKIT_HAS_CUDA
   if (const char* why = cuda::hopper_alignment_refusal(cuda_args(p))) return Support::no(n + " " + why);
+#endif
   return Support::yes();
 }
 
