@@ -98,6 +98,12 @@ add_cli_test(cli_generate_unknown_backend EXPECT failure PATTERNS "unknown exper
              ARGS generate --model ${fixture_models}/mixtral --prompt-tokens 1 --experts-implementation fastest)
 add_cli_test(cli_generate_missing_model EXPECT failure PATTERNS "no_such_dir"
              ARGS generate --model no_such_dir --prompt-tokens 1)
+add_cli_test(cli_generate_max_new_tokens_overflow EXPECT failure
+             PATTERNS "prompt tokens \\+ max_new_tokens - 1: 3 \\+ 9223372036854775806 does not fit in 64 bits"
+             ARGS generate --model ${fixture_models}/qwen3_moe --prompt-tokens 5,6,7 --max-new-tokens 9223372036854775807)
+add_cli_test(cli_generate_kv_cache_too_large EXPECT failure
+             PATTERNS "the KV cache for 100000000000 positions .* needs 69.8 TiB .* on cpu but .* is available"
+             ARGS generate --model ${fixture_models}/qwen3_moe --prompt-tokens 5 --max-new-tokens 100000000000)
 add_cli_test(cli_forward_writes_logits EXPECT success PATTERNS "wrote logits \\[3, 96\\] float32"
              ARGS forward --model ${fixture_models}/olmoe --tokens 4,5,6
                   --output ${CMAKE_CURRENT_BINARY_DIR}/cli_forward_logits.safetensors)
@@ -124,6 +130,16 @@ foreach(weights fp8 fp8-ue8m0 fp4)
 endforeach()
 add_cli_test(cli_bench_weights_unknown EXPECT failure PATTERNS "--weights" "int4"
              ARGS bench --weights int4)
+# A sweep that measured less than was asked exits non-zero, with the reason; sizes whose product leaves
+# int64 are named.
+add_cli_test(cli_bench_fails_when_a_shape_cannot_run EXPECT failure
+             PATTERNS "custom needs .* more than the 0.001 MB available" "bench: 0 case.s. failed and 1 of 1 shape"
+             ARGS bench --shape custom --hidden 64 --intermediate 32 --experts 4 --top-k 2 --tokens 1
+                  --max-memory-gb 0.000001 --memory-bandwidth-gbs 10
+                  --json ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_refused.json)
+add_cli_test(cli_bench_sizes_that_overflow EXPECT failure
+             PATTERNS "experts x 2 x intermediate x hidden: 64 x 4611686018427387904 does not fit in 64 bits"
+             ARGS bench --hidden 4611686018427387904 --intermediate 8 --experts 4 --top-k 1 --memory-bandwidth-gbs 10)
 # bench-gemm times the Hopper kernels only: elsewhere it stops at once with the reason.
 add_cli_test(cli_bench_gemm_refuses_the_cpu EXPECT failure PATTERNS "bench-gemm: .*compute capability 9.0"
              ARGS bench-gemm --device cpu)

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <typeindex>
 #include <unordered_map>
@@ -32,6 +33,10 @@ std::string device_name(Device device);  // "cpu", "cuda:0"
 // Whether this build and machine can use the device (CUDA built in and such a GPU visible); if not,
 // why_not says why.
 bool device_available(Device device, std::string* why_not = nullptr);
+// Bytes that new allocations on the device can take now: on the CPU the kernel's MemAvailable, lowered
+// to what the process's cgroup memory limit leaves; on a GPU cudaMemGetInfo's free bytes. Nothing when
+// it cannot be read (no /proc/meminfo, an unavailable device).
+std::optional<std::size_t> available_memory_bytes(Device device);
 // Waits until all work queued on the device is done (nothing on the CPU).
 void synchronize(Device device);
 Device parse_device(std::string_view name);

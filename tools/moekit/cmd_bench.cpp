@@ -23,6 +23,7 @@
 
 #include "moekit/bench_presets.h"
 #include "moekit/bench_report.h"
+#include "moekit/checked_math.h"
 #include "moekit/commands.h"
 #include "moekit/device.h"
 #include "moekit/experts.h"
@@ -232,6 +233,11 @@ std::vector<BenchShape> resolve_shapes(BenchOptions& o, const CLI::App& cmd) {
                  s.experts);
     shapes.push_back(std::move(s));
   }
+  // The sweep's largest product of sizes is gate_up_proj's element count; with it in int64, all are.
+  for (const BenchShape& s : shapes)
+    checked_mul(checked_mul(s.experts, checked_mul(2, s.intermediate, s.name + ": 2 x intermediate"),
+                            s.name + ": experts x 2 x intermediate"),
+                s.hidden, s.name + ": gate_up_proj's elements, experts x 2 x intermediate x hidden");
   return shapes;
 }
 
@@ -557,6 +563,13 @@ void Sweep::run() {
   if (!o_.json_path.empty()) std::printf("\nwrote %s", o_.json_path.c_str());
   if (!o_.plot_path.empty()) std::printf("%s%s", o_.json_path.empty() ? "\nwrote " : " and ", o_.plot_path.c_str());
   if (!o_.json_path.empty() || !o_.plot_path.empty()) std::printf("\n");
+  // A backend that cannot run a case is a row of the table, not a failure; a case that threw, or a shape
+  // that could not run at all, is: scripts that drive the bench must not read an empty sweep as success.
+  const auto failed = std::count_if(report_.rows.begin(), report_.rows.end(),
+                                    [](const BenchRow& r) { return r.status == RowStatus::failed; });
+  const std::size_t refused = report_.refused_shapes.size();
+  MOEKIT_CHECK(failed == 0 && refused == 0, "bench: ", failed, " case(s) failed and ", refused, " of ",
+               shapes_.size(), " shape(s) did not run (see the messages and rows above)");
 }
 
 void Sweep::refuse(const BenchShape& shape, const std::string& why) {

@@ -1,5 +1,6 @@
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "moekit/commands.h"
 #include "moekit/error.h"
@@ -21,6 +22,10 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const moekit::Error& e) {
     std::fprintf(stderr, "moekit: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    // Where memory runs out outside moekit's own allocations, which say how much they asked for.
+    std::fprintf(stderr, "moekit: error: out of memory (std::bad_alloc)\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moekit: unexpected error: %s\n", e.what());

@@ -32,6 +32,10 @@ bool device_available(Device device, std::string* why_not) {
   return false;
 }
 
+std::optional<std::size_t> available_memory_bytes(Device device) {
+  return device.is_cpu() ? host_available_bytes() : std::nullopt;
+}
+
 std::optional<ComputeCapability> device_compute_capability(Device) {
   return std::nullopt;
 }

@@ -88,6 +88,18 @@ bool device_available(Device device, std::string* why_not) {
   return true;
 }
 
+std::optional<std::size_t> available_memory_bytes(Device device) {
+  if (device.is_cpu()) return host_available_bytes();
+  if (!device_available(device)) return std::nullopt;
+  use_device(device);
+  std::size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::nullopt;
+  }
+  return free;
+}
+
 std::optional<ComputeCapability> device_compute_capability(Device device) {
   if (!device_available(device)) return std::nullopt;
   ComputeCapability cc;

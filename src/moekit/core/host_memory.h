@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 
 namespace moekit {
 
@@ -9,5 +10,7 @@ namespace moekit {
 // (expert weights are streamed once per call, and 4 KB pages make every 4 KB of a stream a TLB miss).
 void* host_allocate(std::size_t bytes);
 void host_free(void* data);
+// What available_memory_bytes(Device::cpu()) returns.
+std::optional<std::size_t> host_available_bytes();
 
 }  // namespace moekit

@@ -22,6 +22,7 @@
 #include <random>
 #include <set>
 
+#include "moekit/checked_math.h"
 #include "moekit/device.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
@@ -32,6 +33,7 @@
 #include "moekit/model/moe_block.h"
 #include "moekit/model/rotary.h"
 #include "moekit/model/sampling.h"
+#include "moekit/model/weight_reader.h"
 
 namespace moekit {
 namespace {
@@ -96,74 +98,10 @@ struct DecodeRun {
   std::string why_not;  // why the steps were not replayed (GenerationResult::decode_graph_reason)
 };
 
-// Tensors are read through this, which records what was used so that leftovers can be reported.
-class WeightReader {
- public:
-  WeightReader(const Checkpoint& checkpoint, DType dtype) : checkpoint_(checkpoint), dtype_(dtype) {}
-
-  Tensor load(const std::string& name, const Shape& shape, std::optional<DType> dtype = std::nullopt) {
-    used_.insert(name);
-    used_.insert(name + "_scale_inv");  // an FP8 linear's block scales, read (and dequantised) with it
-    return checkpoint_.load(name, dtype.value_or(dtype_), shape);
-  }
-  // Quantised experts stay quantised unless `dequantize` (ExpertsConfig follows: see load_weights).
-  FusedExperts experts(const std::string& prefix, int64_t E, int64_t H, int64_t I, const CheckpointQuantization& q,
-                       bool dequantize) {
-    expert_prefixes_.push_back(prefix + ".");
-    if (q.experts == WeightFormat::none) return checkpoint_.experts(prefix, E, H, I, dtype_);
-    return checkpoint_.quantized_experts(prefix, E, H, I, q.experts, q.ue8m0_scales,
-                                         dequantize ? std::optional<DType>(dtype_) : std::nullopt);
-  }
-  bool contains(const std::string& name) const { return checkpoint_.contains(name); }
-  bool any_under(const std::string& prefix) const {
-    for (const auto& name : checkpoint_.tensor_names())
-      if (name.starts_with(prefix)) return true;
-    return false;
-  }
-
-  // Throws naming the checkpoint's tensors that no part of the model read. Ignored, as transformers
-  // ignores them: rotary inv_freq buffers of old checkpoints and layers past num_hidden_layers
-  // (DeepSeek-V3's multi-token-prediction layer) under layers_prefix ("model.layers."). Skipped knowingly:
-  // tensors under ignored_prefixes (a vision-language model's vision tower), returned per prefix.
-  std::map<std::string, int64_t> check_all_used(int64_t num_layers, const std::string& layers_prefix,
-                                                const std::vector<std::string>& ignored_prefixes) const {
-    std::vector<std::string> unused;
-    std::map<std::string, int64_t> ignored;
-    for (const auto& name : checkpoint_.tensor_names()) {
-      if (used_.count(name) != 0 || name.ends_with("rotary_emb.inv_freq")) continue;
-      bool in_experts = false;
-      for (const auto& prefix : expert_prefixes_) in_experts = in_experts || name.starts_with(prefix);
-      if (in_experts) continue;
-      const auto skipped = std::find_if(ignored_prefixes.begin(), ignored_prefixes.end(),
-                                        [&](const std::string& prefix) { return name.starts_with(prefix); });
-      if (skipped != ignored_prefixes.end()) {
-        ++ignored[*skipped];
-        continue;
-      }
-      if (name.starts_with(layers_prefix)) {
-        const std::size_t start = layers_prefix.size();
-        const auto end = name.find('.', start);
-        const std::string index = name.substr(start, end - start);
-        // (More than 9 digits is past any layer count, and past what stoll takes.)
-        if (!index.empty() && index.find_first_not_of("0123456789") == std::string::npos &&
-            (index.size() > 9 || std::stoll(index) >= num_layers))
-          continue;
-      }
-      unused.push_back(name);
-    }
-    if (unused.empty()) return ignored;
-    std::string list;
-    for (std::size_t i = 0; i < std::min<std::size_t>(unused.size(), 5); ++i) list += (i ? ", " : "") + unused[i];
-    MOEKIT_FAIL(checkpoint_.directory(), ": ", unused.size(), " tensor(s) the model does not use: ", list,
-                unused.size() > 5 ? ", ..." : "", " (a checkpoint of another architecture or config?)");
-  }
-
- private:
-  const Checkpoint& checkpoint_;
-  DType dtype_;
-  std::set<std::string> used_;
-  std::vector<std::string> expert_prefixes_;
-};
+// Keys and values of one position of one layer's grouped-query attention cache.
+int64_t kv_heads_width(const ModelConfig& c) {
+  return checked_mul(c.num_key_value_heads, c.head_dim, "num_key_value_heads x head_dim");
+}
 
 DType parse_config_dtype(const std::string& text, const std::string& dir) {
   if (text == "bfloat16") return DType::bf16;
@@ -224,6 +162,8 @@ struct CausalLM::Impl {
                                                   config.moe_intermediate_size % kFp8BlockSize != 0);
       if (dequantize_experts) config.experts.quantization = QuantizationConfig();
     }
+    require_memory(device, WeightReader(checkpoint, dtype).loaded_bytes(unloaded_weights(), dequantize_experts),
+                   "from_pretrained: " + dir + " in " + std::string(dtype_name(dtype)) + " (its weights)");
     load_weights();
     if (options.progress && !ignored_weights.empty())
       std::fprintf(stderr, "from_pretrained: %s: %s\n", dir.c_str(), ignored_weights_text().c_str());
@@ -254,10 +194,11 @@ struct CausalLM::Impl {
     } else {
       lm_head = embed_tokens;
     }
-    layers.resize(static_cast<std::size_t>(c.num_hidden_layers));
+    // Layers are added as they load, so that a num_hidden_layers past what the checkpoint holds fails
+    // at the first missing tensor instead of allocating that many layers first.
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       const std::string p = prefix + "layers." + std::to_string(i) + ".";
-      LayerWeights& l = layers[static_cast<std::size_t>(i)];
+      LayerWeights& l = layers.emplace_back();
       l.input_norm = r.load(p + "input_layernorm.weight", {H});
       l.post_attention_norm = r.load(p + "post_attention_layernorm.weight", {H});
       load_attention(r, p + "self_attn.", l.attention);
@@ -274,7 +215,11 @@ struct CausalLM::Impl {
         l.mlp_down = r.load(p + "mlp.down_proj.weight", {H, I});
       }
     }
-    ignored_weights = r.check_all_used(c.num_hidden_layers, prefix + "layers.", c.ignored_weight_prefixes);
+    ignored_weights = r.check_all_used(unloaded_weights());
+  }
+
+  UnloadedWeights unloaded_weights() const {
+    return {config.num_hidden_layers, config.weights_prefix + "layers.", config.ignored_weight_prefixes};
   }
 
   // "ignored 38 tensors under model.visual. (not loaded: text-only model)", or "" when none were.
@@ -288,31 +233,39 @@ struct CausalLM::Impl {
   void load_attention(WeightReader& r, const std::string& p, AttentionWeights& a) const {
     const ModelConfig& c = config;
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads;
+    // The config bounds each size below only, so the products of two can leave int64.
     if (c.model_type == "deepseek_v3") {
-      const int64_t qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+      const int64_t qk = checked_add(c.qk_nope_head_dim, c.qk_rope_head_dim, "qk_nope_head_dim + qk_rope_head_dim");
+      const int64_t q_rows = checked_mul(Hq, qk, "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)");
       if (c.q_lora_rank > 0) {
         a.q_a_proj = r.load(p + "q_a_proj.weight", {c.q_lora_rank, H});
         a.q_a_norm = r.load(p + "q_a_layernorm.weight", {c.q_lora_rank});
-        a.q_b_proj = r.load(p + "q_b_proj.weight", {Hq * qk, c.q_lora_rank});
+        a.q_b_proj = r.load(p + "q_b_proj.weight", {q_rows, c.q_lora_rank});
       } else {
-        a.q_proj = r.load(p + "q_proj.weight", {Hq * qk, H});
+        a.q_proj = r.load(p + "q_proj.weight", {q_rows, H});
       }
-      a.kv_a_proj = r.load(p + "kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, H});
+      const int64_t kv_a_rows = checked_add(c.kv_lora_rank, c.qk_rope_head_dim, "kv_lora_rank + qk_rope_head_dim");
+      const int64_t kv_b_rows =
+          checked_mul(Hq, checked_add(c.qk_nope_head_dim, c.v_head_dim, "qk_nope_head_dim + v_head_dim"),
+                      "num_attention_heads x (qk_nope_head_dim + v_head_dim)");
+      a.kv_a_proj = r.load(p + "kv_a_proj_with_mqa.weight", {kv_a_rows, H});
       a.kv_a_norm = r.load(p + "kv_a_layernorm.weight", {c.kv_lora_rank});
-      a.kv_b_proj = r.load(p + "kv_b_proj.weight", {Hq * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
-      a.o_proj = r.load(p + "o_proj.weight", {H, Hq * c.v_head_dim});
+      a.kv_b_proj = r.load(p + "kv_b_proj.weight", {kv_b_rows, c.kv_lora_rank});
+      a.o_proj = r.load(p + "o_proj.weight", {H, checked_mul(Hq, c.v_head_dim, "num_attention_heads x v_head_dim")});
       MOEKIT_CHECK(!c.attention_bias, "deepseek_v3 with attention_bias = true is not supported");
       return;
     }
-    const int64_t hd = c.head_dim, Hk = c.num_key_value_heads;
-    a.q_proj = r.load(p + "q_proj.weight", {Hq * hd, H});
-    a.k_proj = r.load(p + "k_proj.weight", {Hk * hd, H});
-    a.v_proj = r.load(p + "v_proj.weight", {Hk * hd, H});
-    a.o_proj = r.load(p + "o_proj.weight", {H, Hq * hd});
+    const int64_t hd = c.head_dim;
+    const int64_t q_rows = checked_mul(Hq, hd, "num_attention_heads x head_dim");
+    const int64_t kv_rows = kv_heads_width(c);
+    a.q_proj = r.load(p + "q_proj.weight", {q_rows, H});
+    a.k_proj = r.load(p + "k_proj.weight", {kv_rows, H});
+    a.v_proj = r.load(p + "v_proj.weight", {kv_rows, H});
+    a.o_proj = r.load(p + "o_proj.weight", {H, q_rows});
     if (c.attention_bias) {
-      a.q_bias = r.load(p + "q_proj.bias", {Hq * hd});
-      a.k_bias = r.load(p + "k_proj.bias", {Hk * hd});
-      a.v_bias = r.load(p + "v_proj.bias", {Hk * hd});
+      a.q_bias = r.load(p + "q_proj.bias", {q_rows});
+      a.k_bias = r.load(p + "k_proj.bias", {kv_rows});
+      a.v_bias = r.load(p + "v_proj.bias", {kv_rows});
       // qwen2_moe's qkv_bias covers q, k and v only; the others' attention_bias also o_proj.
       if (c.model_type != "qwen2_moe") a.o_bias = r.load(p + "o_proj.bias", {H});
     }
@@ -323,8 +276,8 @@ struct CausalLM::Impl {
     if (c.qk_norm) {
       // qwen3_moe normalises each head; olmoe the whole projection.
       const bool per_head = c.qk_norm_per_head;
-      a.q_norm = r.load(p + "q_norm.weight", {per_head ? hd : Hq * hd});
-      a.k_norm = r.load(p + "k_norm.weight", {per_head ? hd : Hk * hd});
+      a.q_norm = r.load(p + "q_norm.weight", {per_head ? hd : q_rows});
+      a.k_norm = r.load(p + "k_norm.weight", {per_head ? hd : kv_rows});
     }
   }
 
@@ -338,10 +291,11 @@ struct CausalLM::Impl {
       // Fused, transposed, gate and up interleaved, biased (ExpertsConfig from the config), and a
       // router with a bias.
       const int64_t I = c.moe_intermediate_size;
+      const int64_t I2 = checked_mul(2, I, "2 x moe_intermediate_size");
       m.router_weight = r.load(block + "router.weight", {E, H});
       m.router_bias = r.load(block + "router.bias", {E});
-      m.experts.gate_up_proj = r.load(block + "experts.gate_up_proj", {E, H, 2 * I});
-      m.experts.gate_up_proj_bias = r.load(block + "experts.gate_up_proj_bias", {E, 2 * I});
+      m.experts.gate_up_proj = r.load(block + "experts.gate_up_proj", {E, H, I2});
+      m.experts.gate_up_proj_bias = r.load(block + "experts.gate_up_proj_bias", {E, I2});
       m.experts.down_proj = r.load(block + "experts.down_proj", {E, I, H});
       m.experts.down_proj_bias = r.load(block + "experts.down_proj_bias", {E, H});
       return;
@@ -357,7 +311,8 @@ struct CausalLM::Impl {
       m.shared_down_proj = r.load(block + "shared_expert.down_proj.weight", {H, Is});
       m.shared_expert_gate = r.load(block + "shared_expert_gate.weight", {1, H});
     } else if (c.n_shared_experts > 0) {  // deepseek_v3
-      const int64_t Is = c.n_shared_experts * c.moe_intermediate_size;
+      const int64_t Is = checked_mul(c.n_shared_experts, c.moe_intermediate_size,
+                                     "n_shared_experts x moe_intermediate_size");
       m.shared_gate_proj = r.load(block + "shared_experts.gate_proj.weight", {Is, H});
       m.shared_up_proj = r.load(block + "shared_experts.up_proj.weight", {Is, H});
       m.shared_down_proj = r.load(block + "shared_experts.down_proj.weight", {H, Is});
@@ -405,6 +360,23 @@ struct CausalLM::Impl {
     }
   }
 
+  // The values a cache holds per position of a layer: keys and values, or MLA's latent and rotated key.
+  std::pair<int64_t, int64_t> cache_rows() const {
+    const ModelConfig& c = config;
+    if (c.model_type == "deepseek_v3") return {c.kv_lora_rank, c.qk_rope_head_dim};
+    return {kv_heads_width(c), kv_heads_width(c)};
+  }
+
+  // Bytes of the cache at `positions`: on a GPU in the dtype, on the CPU in float.
+  std::size_t cache_bytes(int64_t positions) const {
+    const auto [first_row, second_row] = cache_rows();
+    const int64_t element = device.is_cuda() ? static_cast<int64_t>(dtype_size(dtype)) : 4;
+    const std::string what = "the KV cache's bytes for " + std::to_string(positions) + " positions";
+    const int64_t row = checked_mul(checked_add(first_row, second_row, what), element, what);
+    return static_cast<std::size_t>(
+        checked_mul(checked_mul(row, positions, what + " (a layer)"), static_cast<int64_t>(layers.size()), what));
+  }
+
   // Empties the cache. On a GPU its buffers hold `capacity` positions from then on (kept when they
   // already hold as many, so that a captured decode step stays valid across generate calls).
   void reset_cache(int64_t capacity) {
@@ -418,10 +390,7 @@ struct CausalLM::Impl {
     // Positions reach the kernels as int32 (the step's inputs in device memory).
     MOEKIT_CHECK(capacity <= std::numeric_limits<int32_t>::max(), "the KV cache cannot hold ", capacity,
                  " positions (at most 2^31 - 1)");
-    const ModelConfig& c = config;
-    const bool mla = c.model_type == "deepseek_v3";
-    const int64_t first_row = mla ? c.kv_lora_rank : c.num_key_value_heads * c.head_dim;
-    const int64_t second_row = mla ? c.qk_rope_head_dim : c.num_key_value_heads * c.head_dim;
+    const auto [first_row, second_row] = cache_rows();
     for (LayerCache& lc : cache) {
       lc.first_device = Tensor();  // free the old buffers before the new ones are allocated
       lc.second_device = Tensor();
@@ -740,7 +709,15 @@ GenerationResult CausalLM::generate(std::span<const int32_t> prompt, const Gener
   validate_generation_config(config);
   Impl& m = *impl_;
   // Every position of the generation: the prompt and the new tokens but the last (never run).
-  m.reset_cache(static_cast<int64_t>(prompt.size()) + std::max<int64_t>(config.max_new_tokens - 1, 0));
+  const int64_t positions = checked_add(static_cast<int64_t>(prompt.size()), std::max<int64_t>(config.max_new_tokens - 1, 0),
+                                        "generate: prompt tokens + max_new_tokens - 1");
+  // On a GPU the cache is allocated now at its full length; on the CPU it grows, up to the same size.
+  if (positions > m.cache_capacity)
+    require_memory(m.device, m.cache_bytes(positions) - (m.device.is_cuda() ? m.cache_bytes(m.cache_capacity) : 0),
+                   "generate: the KV cache for " + std::to_string(positions) + " positions (" +
+                       std::to_string(prompt.size()) + " prompt tokens + max_new_tokens " +
+                       std::to_string(config.max_new_tokens) + ")");
+  m.reset_cache(positions);
   GenerationResult result;
   std::mt19937_64 rng(config.seed);
   std::vector<float> kept_logits;

@@ -17,6 +17,8 @@
 #include <optional>
 #include <utility>
 
+#include "moekit/checked_math.h"
+
 namespace moekit {
 namespace {
 
@@ -314,6 +316,10 @@ Tensor Checkpoint::tensor(const std::string& name) const {
   return shard(name).tensor(name);
 }
 
+const SafetensorsTensorInfo& Checkpoint::info(const std::string& name) const {
+  return shard(name).info(name);
+}
+
 Tensor Checkpoint::tensor(const std::string& name, const Shape& expected) const {
   Tensor t = tensor(name);
   MOEKIT_CHECK(t.shape() == expected, name, " has shape ", shape_string(t.shape()), ", expected ",
@@ -370,6 +376,7 @@ FusedExperts Checkpoint::experts(const std::string& prefix, int64_t num_experts,
   MOEKIT_CHECK(is_load_dtype(dtype), "experts of ", prefix, ": experts load as f32, f16 or bf16, not ",
                dtype_name(dtype));
   const int64_t E = num_experts, H = hidden, I = intermediate;
+  const int64_t I2 = checked_mul(2, I, "experts of " + prefix + ": 2 x intermediate size");
 
   // Which layouts occur under the prefix: the first tensor of each, and the highest expert index.
   const std::string under = prefix + ".";
@@ -407,7 +414,7 @@ FusedExperts Checkpoint::experts(const std::string& prefix, int64_t num_experts,
   }
 
   FusedExperts out;
-  const Shape gate_up_shape{E, 2 * I, H};
+  const Shape gate_up_shape{E, I2, H};
   const Shape down_shape{E, H, I};
   if (layouts[0] == kFusedLayout) {
     // transformers 5 layout: loaded as it is (a view of the file when the dtype matches).
@@ -419,7 +426,7 @@ FusedExperts Checkpoint::experts(const std::string& prefix, int64_t num_experts,
     // The same matrices stored transposed, gate_up [E, H, 2I] and down [E, I, H], as Qwen3-VL-MoE's
     // published checkpoints hold them (transformers transposes them on load, and so does this: the
     // backends' fast paths read [E, out, in]). Told apart by down's shape, which differs when H != I.
-    const Shape transposed_gate_up{E, H, 2 * I}, transposed_down{E, I, H};
+    const Shape transposed_gate_up{E, H, I2}, transposed_down{E, I, H};
     if (H != I && tensor(under + "down_proj").shape() == transposed_down) {
       out.gate_up_proj = transposed_matrices(load(under + "gate_up_proj", dtype, transposed_gate_up));
       out.down_proj = transposed_matrices(load(under + "down_proj", dtype, transposed_down));
@@ -433,7 +440,7 @@ FusedExperts Checkpoint::experts(const std::string& prefix, int64_t num_experts,
                  contains(gate_up_bias) ? gate_up_bias : down_bias, " but not ",
                  contains(gate_up_bias) ? down_bias : gate_up_bias, " (expert biases come in pairs)");
     if (contains(gate_up_bias)) {
-      out.gate_up_proj_bias = load(gate_up_bias, dtype, {E, 2 * I});
+      out.gate_up_proj_bias = load(gate_up_bias, dtype, {E, I2});
       out.down_proj_bias = load(down_bias, dtype, {E, H});
     }
     return out;
@@ -503,6 +510,7 @@ FusedExperts Checkpoint::quantized_experts(const std::string& prefix, int64_t nu
   MOEKIT_CHECK(!dequantize_to || is_load_dtype(*dequantize_to), "experts of ", prefix,
                ": experts dequantise to f32, f16 or bf16, not ", dtype_name(*dequantize_to));
   const int64_t E = num_experts, H = hidden, I = intermediate;
+  const int64_t I2 = checked_mul(2, I, "experts of " + prefix + ": 2 x intermediate size");
   const bool fp8 = format == WeightFormat::fp8_e4m3;
   const DType weight_dtype = fp8 ? DType::f8_e4m3 : DType::f4_e2m1;
   MOEKIT_CHECK(fp8 || (H % 2 == 0 && I % 2 == 0), "experts of ", prefix, ": FP4 weights pack pairs along K, so ",
@@ -547,7 +555,7 @@ FusedExperts Checkpoint::quantized_experts(const std::string& prefix, int64_t nu
   FusedExperts out;
   if (dequantize_to) {
     const DType dtype = *dequantize_to;
-    out.gate_up_proj = Tensor::empty({E, 2 * I, H}, dtype);
+    out.gate_up_proj = Tensor::empty({E, I2, H}, dtype);
     out.down_proj = Tensor::empty({E, H, I}, dtype);
     const std::size_t matrix_bytes = static_cast<std::size_t>(I * H) * dtype_size(dtype);
     auto* gate_up = static_cast<char*>(out.gate_up_proj.data());

@@ -56,6 +56,8 @@ class Checkpoint {
   std::vector<std::string> tensor_names() const;  // sorted
   // The mapped view (read-only bytes). A missing name throws suggesting up to 3 close names.
   Tensor tensor(const std::string& name) const;
+  // Its dtype, shape and bytes as the header gives them, with nothing read.
+  const SafetensorsTensorInfo& info(const std::string& name) const;
   // Also checks the shape: "<name> has shape [..], expected [..]". For F4 tensors the shape counts packed
   // pairs (see SafetensorsFile::tensor).
   Tensor tensor(const std::string& name, const Shape& expected) const;

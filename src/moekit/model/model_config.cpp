@@ -154,6 +154,11 @@ void parse_common(const Fields& f, const Defaults& defaults, std::optional<int64
   c.vocab_size = f.integer("vocab_size", 1);
   c.hidden_size = f.integer("hidden_size", 1);
   c.num_hidden_layers = f.integer("num_hidden_layers", 1);
+  // The config's layer list is built before any weight is read, so its length needs a bound of its own;
+  // the deepest models published have fewer than 200 layers.
+  constexpr int64_t kMaxLayers = int64_t{1} << 16;
+  MOEKIT_CHECK(c.num_hidden_layers <= kMaxLayers, f.where(), "field 'num_hidden_layers' must be <= ", kMaxLayers,
+               " (moekit's bound on the layer count), got ", c.num_hidden_layers);
   c.num_attention_heads = f.integer("num_attention_heads", 1);
   c.num_key_value_heads = f.integer("num_key_value_heads", 1, c.num_attention_heads);
   MOEKIT_CHECK(c.num_attention_heads % c.num_key_value_heads == 0, f.where(),
