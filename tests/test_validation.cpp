@@ -243,6 +243,12 @@ TEST(Validation, WrongDTypes) {
   p = valid_problem();
   p.top_k_weights = p.top_k_weights.to(DType::bf16);
   EXPECT_NO_THROW(validate(p));
+  // In a float32 problem the two allowed dtypes are one.
+  RandomProblemOptions f32 = base_options();
+  f32.dtype = DType::f32;
+  p = make_random_problem(f32);
+  p.top_k_weights = p.top_k_weights.to(DType::bf16);
+  EXPECT_TRUE(rejects(p, {"top_k_weights must be f32, got bf16[4, 2]"}));
 
   // Ids are integers.
   p = valid_problem();

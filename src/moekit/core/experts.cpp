@@ -81,9 +81,10 @@ ExpertsShape validate(const ExpertsProblem& p) {
   MOEKIT_CHECK(s.top_k > 0, "top_k_index must have at least one column, got ", p.top_k_index.describe());
 
   check_tensor(p.top_k_weights, "top_k_weights", 2, device);
-  MOEKIT_CHECK(p.top_k_weights.dtype() == DType::f32 || p.top_k_weights.dtype() == dtype,
-               "top_k_weights must be f32 or ", dtype_name(dtype), " (the dtype of hidden_states), got ",
-               p.top_k_weights.describe());
+  MOEKIT_CHECK(p.top_k_weights.dtype() == DType::f32 || p.top_k_weights.dtype() == dtype, "top_k_weights must be ",
+               dtype == DType::f32 ? std::string("f32")
+                                   : "f32 or " + std::string(dtype_name(dtype)) + " (the dtype of hidden_states)",
+               ", got ", p.top_k_weights.describe());
   check_shape(p.top_k_weights, "top_k_weights", {s.tokens, s.top_k}, "(the shape of top_k_index)");
 
   const char* up_name = c.has_gate ? "gate_up_proj" : "up_proj";
