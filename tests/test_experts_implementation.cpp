@@ -50,6 +50,28 @@ TEST(ExpertsImplementation, BadInputNamesWhatIsValidAndChangesNothing) {
   EXPECT_TRUE(test::throws_error_with([] { ExpertsImplementation({"text_config"}, "nope"); }, {"'nope'"}));
 }
 
+// The JSON form is user input: deep nesting and repeated keys are refused, bad values described briefly.
+TEST(ExpertsImplementation, HostileJsonIsRefusedBriefly) {
+  ExpertsImplementation impl({"text_config"});
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_TRUE(test::throws_error_with([&] { impl.set_from_text(R"({"text_config": )" + deep + "}"); },
+                                      {"experts_implementation: JSON nests deeper than 128 levels at text_config[0]"}));
+  EXPECT_TRUE(test::throws_error_with([&] { impl.set_from_text(R"({"": "eager", "": "batched_mm"})"); },
+                                      {"experts_implementation: the key \"\" appears twice"}));
+  // 120 kB of value: the message shows its start, not all of it.
+  std::string wide = "[1";
+  while (wide.size() < 120000) wide += ",1";
+  try {
+    impl.set_from_text(R"({"text_config": )" + wide + "]}");
+    ADD_FAILURE() << "did not throw";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("must be a backend name, got [1,1,1,"), std::string::npos) << message;
+    EXPECT_LT(message.size(), 300u) << message;
+  }
+  EXPECT_EQ(impl.of("text_config"), "grouped_mm");
+}
+
 TEST(ExpertsImplementation, DecodeOnAGpuSwitchesOnlyGroupedMmAndRestores) {
   ExpertsImplementation impl({"text_config", "vision_config"});
   impl.set(Map{{"vision_config", "eager"}});

@@ -237,9 +237,28 @@ TEST(Safetensors, RejectsBadJson) {
   expect_parse_error("{} trailing", 0, "not valid JSON");
   expect_parse_error("[1, 2]", 0, "starting with '{'");
   expect_parse_error(R"({"a": 1})", 0, "tensor 'a': expected an object");
-  // Deep nesting is reported, not a stack overflow.
-  expect_parse_error("{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}", 0,
-                     "tensor 'a': expected an object");
+}
+
+TEST(Safetensors, RefusesDeepNestingNamingTheFileAndTheLimit) {
+  const auto nested = [](std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  // The 100,000 levels are refused at parse time (a stack overflow before the limit existed).
+  expect_parse_error("{\"a\":" + nested(100000) + "}", 0,
+                     "test.safetensors: header: JSON nests deeper than 128 levels at a[0][0]");
+  expect_parse_error(R"({"__metadata__": {"k": )" + nested(100000) + "}}", 0,
+                     "deeper than 128 levels at __metadata__.k");
+  // At the limit (the header object and 127 arrays) the header parses, and the entry is reported.
+  expect_parse_error("{\"a\":" + nested(127) + "}", 0,
+                     "tensor 'a': expected an object with dtype, shape and data_offsets, got [[[[");
+}
+
+TEST(Safetensors, RefusesRepeatedKeysNamingThem) {
+  const std::string w = R"("w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]})";
+  expect_parse_error("{" + w + ", " + w + "}", 2, "test.safetensors: header: the key w appears twice");
+  // A second activation in the metadata ran as the last one before.
+  expect_parse_error(R"({"__metadata__": {"activation": "silu", "activation": "gelu"}})", 0,
+                     "the key __metadata__.activation appears twice");
+  expect_parse_error(R"({"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2], "dtype": "I8"}})", 2,
+                     "the key w.dtype appears twice");
 }
 
 TEST(Safetensors, RejectsBadTensorEntries) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "moekit/model/tokenizer_pipeline.h"
 #include "moekit/model/tokenizer_text.h"
 #include "moekit/tokenizer.h"
 
@@ -385,6 +386,92 @@ TEST(TokenizerErrors, BadIdsAndTextAreNamed) {
   EXPECT_TRUE(throws_error_with([&] { stream.step(size); }, {"id " + std::to_string(size)}));
   for (std::size_t i = 1; i < ids.size(); ++i) streamed += stream.step(ids[i]);
   EXPECT_EQ(streamed + stream.finish(), "Hello world");
+}
+
+// `depth` Sequences listing their parts under `list_key`, one inside the other, around the JSON text
+// `inner`. Built as text: a json value that deep cannot be dumped (dump recurses).
+std::string nested_sequences(const std::string& list_key, const std::string& inner, int depth) {
+  std::string text;
+  for (int i = 0; i < depth; ++i) text += R"({"type": "Sequence", ")" + list_key + R"(": [)";
+  text += inner;
+  for (int i = 0; i < depth; ++i) text += "]}";
+  return text;
+}
+
+// The fixture's tokenizer.json with `field` replaced by the JSON text `value`.
+std::string with_component(const std::string& name, const std::string& field, const std::string& value) {
+  json config = fixture_config(name);
+  config[field] = "@component@";
+  std::string text = config.dump();
+  text.replace(text.find("\"@component@\""), std::string("\"@component@\"").size(), value);
+  return text;
+}
+
+// qwen2's components, each wrapped in Sequences. In that file the normalizer (NFC) and the decoder
+// (ByteLevel) hold no containers, and the pre-tokenizer is itself a Sequence whose Split holds a pattern
+// object: 3 more levels.
+struct NestedComponent {
+  const char* field;
+  const char* list_key;
+  int wrappers_at_the_limit;  // each wrapper is an object and an array, under the top-level object
+};
+constexpr NestedComponent kNestedComponents[] = {
+    {"normalizer", "normalizers", (128 - 2) / 2},
+    {"pre_tokenizer", "pretokenizers", (128 - 2 - 3) / 2},
+    {"decoder", "decoders", (128 - 2) / 2},
+};
+
+std::string nested_component(const NestedComponent& c, int wrappers) {
+  return nested_sequences(c.list_key, fixture_config("qwen2")[c.field].dump(), wrappers);
+}
+
+// A Sequence inside 100,000 others overflowed the stack (the builder recursed once per level); the
+// file is now refused when parsed, naming it and the limit.
+TEST(TokenizerErrors, DeeplyNestedSequencesAreRefused) {
+  for (const NestedComponent& c : kNestedComponents) {
+    SCOPED_TRACE(c.field);
+    const std::string text = with_component("qwen2", c.field, nested_component(c, 100000));
+    EXPECT_TRUE(throws_error_with([&] { Tokenizer::from_json(text, "deep/tokenizer.json"); },
+                                  {"deep/tokenizer.json: JSON nests deeper than 128 levels at " + std::string(c.field) +
+                                       "." + c.list_key + "[0]." + c.list_key + "[0]",
+                                   "..."}));
+  }
+}
+
+// At the nesting limit the file loads, and the Sequences work as the component inside them.
+TEST(TokenizerNesting, SequencesAtTheLimitWorkAsTheirParts) {
+  const Tokenizer plain = Tokenizer::from_file(kFixtures / "qwen2" / "tokenizer.json");
+  const std::string text = "Hello wo\xCC\x88rld, it's 2024!";  // o + combining diaeresis: NFC composes it
+  const std::vector<int32_t> ids = plain.encode(text);
+  for (const NestedComponent& c : kNestedComponents) {
+    SCOPED_TRACE(c.field);
+    const Tokenizer nested =
+        Tokenizer::from_json(with_component("qwen2", c.field, nested_component(c, c.wrappers_at_the_limit)));
+    EXPECT_EQ(nested.encode(text), ids);
+    EXPECT_EQ(nested.decode(ids), plain.decode(ids));
+    EXPECT_TRUE(throws_error_with(
+        [&] {
+          Tokenizer::from_json(with_component("qwen2", c.field, nested_component(c, c.wrappers_at_the_limit + 1)));
+        },
+        {"JSON nests deeper than 128 levels"}));
+  }
+}
+
+// The builders flatten nested Sequences without recursion, so even a value built in memory (which no
+// parse bounded) cannot overflow the stack.
+TEST(TokenizerNesting, BuildersFlattenSequencesWithoutRecursion) {
+  json sequence = {{"type", "NFC"}};
+  for (int i = 0; i < 100000; ++i) {
+    json outer = json::object();
+    outer["type"] = "Sequence";
+    outer["normalizers"] = json::array();
+    outer["normalizers"].push_back(std::move(sequence));
+    sequence = std::move(outer);
+  }
+  const auto normalizer = tokenization::make_normalizer(sequence);
+  std::string composed = "e\xCC\x81";  // e + combining acute: NFC makes one character of it
+  normalizer->apply(composed);
+  EXPECT_EQ(composed, "\xC3\xA9");
 }
 
 TEST(TokenizerErrors, BadTokenizerConfigIsNamed) {

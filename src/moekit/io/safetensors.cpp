@@ -19,6 +19,8 @@
 #include <set>
 #include <system_error>
 
+#include "moekit/io/json_input.h"
+
 namespace moekit {
 namespace {
 
@@ -59,20 +61,6 @@ std::string format_dtype_names() {
   std::string names;
   for (const auto& f : kFormatDTypes) names += std::string(names.empty() ? "" : ", ") + std::string(f.name);
   return names;
-}
-
-// A JSON value for an error message. Only scalars are printed: dumping a container is recursive, and a
-// hostile header can nest deeply enough to overflow the stack.
-std::string describe_json(const json& v) {
-  if (v.is_string()) {
-    const auto& s = v.get_ref<const std::string&>();
-    std::string quoted = "\"";
-    quoted.append(s, 0, 64);
-    quoted.append(s.size() > 64 ? "...\"" : "\"");
-    return quoted;
-  }
-  if (v.is_primitive()) return v.dump();
-  return std::string("a JSON ") + v.type_name();
 }
 
 // A JSON integer in [0, 2^64), or an error naming `what`.
@@ -199,12 +187,10 @@ SafetensorsHeader parse_safetensors(const uint8_t* data, std::size_t size, std::
                size - 8, " bytes follow the length field); the file is truncated or not safetensors");
   MOEKIT_CHECK(header_bytes > 0 && data[8] == '{', source, ": header must be a JSON object starting with '{'");
 
-  json root;
-  try {
-    root = json::parse(data + 8, data + 8 + header_bytes);
-  } catch (const json::exception& e) {
-    MOEKIT_FAIL(source, ": header is not valid JSON: ", e.what());
-  }
+  // parse_json refuses repeated keys, so a tensor name, a metadata key or a field of an entry never
+  // has a second value that would silently replace the first.
+  const json root = parse_json(std::string_view(reinterpret_cast<const char*>(data) + 8, header_bytes),
+                               std::string(source) + ": header");
   MOEKIT_CHECK(root.is_object(), source, ": header must be a JSON object, got ", describe_json(root));
 
   SafetensorsHeader header;

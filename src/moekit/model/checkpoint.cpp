@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "moekit/checked_math.h"
+#include "moekit/io/json_input.h"
 
 namespace moekit {
 namespace {
@@ -54,16 +55,9 @@ std::string list_names(const Range& names, std::size_t limit) {
   return out;
 }
 
-// Parses a JSON file; `callback` sees every parse event (see nlohmann::json::parser_callback_t).
-json read_json(const fs::path& path, const json::parser_callback_t& callback = nullptr) {
-  std::ifstream in(path, std::ios::binary);
-  MOEKIT_CHECK(in.is_open(), path.string(), ": cannot open: ", std::strerror(errno));
-  json value;
-  try {
-    value = json::parse(in, callback);
-  } catch (const json::exception& e) {
-    MOEKIT_FAIL(path.string(), ": not valid JSON: ", e.what());
-  }
+// Parses a JSON file that must hold an object (json_input.h: bounded nesting, no repeated keys).
+json read_json(const fs::path& path, const JsonReadOptions& options = {}) {
+  json value = read_json_file(path, options);
   MOEKIT_CHECK(value.is_object(), path.string(), ": expected a JSON object, got a JSON ", value.type_name());
   return value;
 }
@@ -128,8 +122,9 @@ struct IndexEntries {
 };
 
 json read_index(const fs::path& path, IndexEntries& out) {
+  JsonReadOptions options;
   // Keys of the top-level object have depth 1; those of the weight map, and its values, depth 2.
-  return read_json(path, [&out](int depth, json::parse_event_t event, json& parsed) {
+  options.callback = [&out](int depth, json::parse_event_t event, const json& parsed) {
     if (event == json::parse_event_t::key && depth == 1) {
       out.top_key = parsed.get<std::string>();
     } else if (depth == 2 && out.top_key == "weight_map") {
@@ -138,8 +133,12 @@ json read_index(const fs::path& path, IndexEntries& out) {
       else if (event == json::parse_event_t::value && parsed.is_string() && !out.entries.empty())
         out.entries.back().second = parsed.get<std::string>();
     }
-    return true;
-  });
+  };
+  // A tensor listed twice is reported by the caller, with both shards.
+  options.allow_duplicate_key = [&out](int depth, const std::string&) {
+    return depth == 2 && out.top_key == "weight_map";
+  };
+  return read_json(path, options);
 }
 
 // A shard name from an untrusted index must stay inside the checkpoint directory.
@@ -247,7 +246,7 @@ Checkpoint::Checkpoint(const std::string& dir) : dir_(dir) {
   std::map<std::string, std::string> first_listing;
   for (const auto& [name, shard_name] : listed.entries) {
     MOEKIT_CHECK(!shard_name.empty(), index_name, ": weight_map[\"", name, "\"] must name a shard file, got ",
-                 index["weight_map"][name].dump());
+                 describe_json(index["weight_map"][name]));
     const auto [first, inserted] = first_listing.emplace(name, shard_name);
     MOEKIT_CHECK(inserted, index_name, ": tensor '", name, "' is listed twice in the weight map, in shards ",
                  first->second, " and ", shard_name);

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moekit/experts.h"
+#include "moekit/io/json_input.h"
 
 namespace moekit {
 namespace {
@@ -46,15 +47,11 @@ void ExpertsImplementation::set_from_text(std::string_view text) {
     set(text.substr(first == std::string_view::npos ? text.size() : first));
     return;
   }
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    MOEKIT_FAIL("experts_implementation is not valid JSON: ", e.what());
-  }
+  const nlohmann::json j = parse_json(text, "experts_implementation");
   std::map<std::string, std::string> per_backbone;
   for (const auto& [key, value] : j.items()) {
-    MOEKIT_CHECK(value.is_string(), "experts_implementation[\"", key, "\"] must be a backend name, got ", value.dump());
+    MOEKIT_CHECK(value.is_string(), "experts_implementation[\"", key, "\"] must be a backend name, got ",
+                 describe_json(value));
     per_backbone[key] = value.get<std::string>();
   }
   set(per_backbone);

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "moekit/error.h"
+#include "moekit/io/json_input.h"
 
 namespace moekit {
 namespace {
@@ -21,9 +22,7 @@ using json = nlohmann::json;
 
 // A short rendering of a JSON value for error messages.
 std::string show(const json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return std::string(value.type_name()) + " " + text;
+  return describe_json_with_type(value);
 }
 
 // Typed access to one config object's fields. A JSON null is absent (transformers reads it as None).
@@ -443,7 +442,7 @@ void parse_quantization(const json& config, const std::string& model_type, Model
     const bool ok = block->is_array() && block->size() == 2 && (*block)[0].is_number_integer() &&
                     (*block)[1].is_number_integer() && (*block)[0].get<int64_t>() == kFp8BlockSize &&
                     (*block)[1].get<int64_t>() == kFp8BlockSize;
-    MOEKIT_CHECK(ok, where, ".weight_block_size is ", block->dump(), "; only [128, 128] is supported");
+    MOEKIT_CHECK(ok, where, ".weight_block_size is ", describe_json(*block), "; only [128, 128] is supported");
   }
   const std::string scale_fmt = text("scale_fmt", "float32");
   MOEKIT_CHECK(scale_fmt == "float32" || scale_fmt == "ue8m0", where, ".scale_fmt '", scale_fmt,

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "moekit/error.h"
+#include "moekit/io/json_input.h"
 #include "moekit/model/tokenizer_bpe.h"
 #include "moekit/model/tokenizer_json.h"
 #include "moekit/model/tokenizer_pipeline.h"
@@ -85,14 +86,6 @@ std::string read_file(const std::filesystem::path& path) {
   text << file.rdbuf();
   MOEKIT_CHECK(!file.bad(), "Tokenizer: cannot read '", path.string(), "'");
   return text.str();
-}
-
-json parse_json(std::string_view text, const std::string& origin) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    MOEKIT_FAIL(origin, ": not valid JSON (", e.what(), ")");
-  }
 }
 
 bool ends_with_replacement(std::string_view text) {

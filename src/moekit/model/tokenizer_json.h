@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "moekit/error.h"
+#include "moekit/io/json_input.h"
 
 namespace moekit::tokenization {
 
@@ -64,11 +65,7 @@ class JsonFields {
   }
 
   // A short rendering of a value for error messages.
-  static std::string show(const nlohmann::json& value) {
-    std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-    if (text.size() > 60) text = text.substr(0, 57) + "...";
-    return std::string(value.type_name()) + " " + text;
-  }
+  static std::string show(const nlohmann::json& value) { return describe_json_with_type(value); }
 
  private:
   std::string as_string(std::string_view key, const nlohmann::json& value) const {

@@ -99,15 +99,33 @@ std::unique_ptr<const T> make_component(const json& config, std::string_view kin
   MOEKIT_FAIL("tokenizer.json: ", kind, " type '", type, "' is not supported (supported: ", supported, ")");
 }
 
-// A Sequence: the components listed under `key` (none null), applied in turn.
+// A Sequence: the components listed under `key` (none null), applied in turn. A Sequence inside it is
+// the same as its parts in its place, so nested Sequences are flattened here, with a stack of arrays
+// instead of recursion: however deep the JSON nests them, building, applying and destroying stay one
+// level deep.
 template <typename Value>
 class Sequence final : public Component<Value> {
  public:
   using Make = std::unique_ptr<const Component<Value>> (*)(const json& config);
-  Sequence(const JsonFields& fields, std::string_view key, Make make) {
-    for (const json& part : fields.array(key)) {
+  // kind: what make builds ("normalizer"), as errors name it.
+  Sequence(const JsonFields& fields, std::string_view key, std::string_view kind, Make make) {
+    struct Pending {
+      const json* parts;
+      std::size_t next;
+    };
+    std::vector<Pending> pending{{&fields.array(key), 0}};
+    while (!pending.empty()) {
+      Pending& top = pending.back();
+      if (top.next == top.parts->size()) {
+        pending.pop_back();
+        continue;
+      }
+      const json& part = (*top.parts)[top.next++];
       MOEKIT_CHECK(!part.is_null(), fields.where(), ": an element of '", key, "' is null");
-      parts_.push_back(make(part));
+      if (component_type(part, kind) == "Sequence")
+        pending.push_back({&JsonFields(part, fields.where()).array(key), 0});  // invalidates `top`
+      else
+        parts_.push_back(make(part));
     }
   }
   void apply(Value& value) const override {
@@ -171,7 +189,7 @@ constexpr std::array<Factory<Normalizer>, 7> kNormalizers{{
     {"Prepend", make_from_fields<PrependNormalizer, Normalizer>},
     {"Sequence",
      [](const JsonFields& fields) -> std::unique_ptr<const Normalizer> {
-       return std::make_unique<Sequence<std::string>>(fields, "normalizers", make_normalizer);
+       return std::make_unique<Sequence<std::string>>(fields, "normalizers", "normalizer", make_normalizer);
      }},
 }};
 
@@ -383,7 +401,8 @@ constexpr std::array<Factory<PreTokenizer>, 4> kPreTokenizers{{
     {"Metaspace", make_from_fields<MetaspacePreTokenizer, PreTokenizer>},
     {"Sequence",
      [](const JsonFields& fields) -> std::unique_ptr<const PreTokenizer> {
-       return std::make_unique<Sequence<std::vector<Piece>>>(fields, "pretokenizers", make_pre_tokenizer);
+       return std::make_unique<Sequence<std::vector<Piece>>>(fields, "pretokenizers", "pre_tokenizer",
+                                                             make_pre_tokenizer);
      }},
 }};
 
@@ -459,7 +478,8 @@ constexpr std::array<Factory<PostProcessor>, 3> kPostProcessors{{
     {"ByteLevel", make_from_fields<ByteLevelProcessor, PostProcessor>},
     {"Sequence",
      [](const JsonFields& fields) -> std::unique_ptr<const PostProcessor> {
-       return std::make_unique<Sequence<std::vector<int32_t>>>(fields, "processors", make_post_processor);
+       return std::make_unique<Sequence<std::vector<int32_t>>>(fields, "processors", "post_processor",
+                                                               make_post_processor);
      }},
 }};
 
@@ -618,7 +638,7 @@ constexpr std::array<Factory<Decoder>, 7> kDecoders{{
     {"Metaspace", make_from_fields<MetaspaceDecoder, Decoder>},
     {"Sequence",
      [](const JsonFields& fields) -> std::unique_ptr<const Decoder> {
-       return std::make_unique<Sequence<std::vector<std::string>>>(fields, "decoders", make_decoder);
+       return std::make_unique<Sequence<std::vector<std::string>>>(fields, "decoders", "decoder", make_decoder);
      }},
 }};
 
