@@ -299,16 +299,33 @@ TEST(Safetensors, ErrorsNameTheFile) {
   expect_error([&] { SafetensorsFile{dir.string()}; }, "not a regular file");
 }
 
-TEST(Safetensors, AllowsOverlapAndGaps) {
-  // Two tensors over the same bytes and an unused byte in between: odd but within bounds.
+TEST(Safetensors, AllowsGapsAndEmptyTensorsAnywhere) {
+  // An unused byte between two tensors, and empty tensors at offsets others' bytes cover.
   const std::vector<uint8_t> buffer = make_buffer(R"({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},)"
-                                                  R"( "b": {"dtype": "U8", "shape": [2, 2], "data_offsets": [0, 4]},)"
+                                                  R"( "e": {"dtype": "F32", "shape": [0], "data_offsets": [2, 2]},)"
+                                                  R"( "f": {"dtype": "U8", "shape": [0, 3], "data_offsets": [0, 0]},)"
                                                   R"( "c": {"dtype": "U8", "shape": [], "data_offsets": [5, 6]}})",
                                                   6);
   const SafetensorsFile file = SafetensorsFile::from_bytes(buffer);
-  EXPECT_TRUE(same_bytes(file.tensor("a").reshape({2, 2}), file.tensor("b")));
+  EXPECT_EQ(file.tensor("a").numel(), 4);
+  EXPECT_EQ(file.tensor("e").numel(), 0);
+  EXPECT_EQ(file.tensor("f").numel(), 0);
   EXPECT_EQ(file.tensor("c").dim(), 0);
   EXPECT_EQ(*static_cast<const uint8_t*>(file.tensor("c").data()), 5);
+}
+
+TEST(Safetensors, RefusesOverlappingTensorsNamingBoth) {
+  const auto entry = [](const std::string& name, int begin, int end) {
+    return "\"" + name + R"(": {"dtype": "U8", "shape": [)" + std::to_string(end - begin) + R"(], "data_offsets": [)" +
+           std::to_string(begin) + ", " + std::to_string(end) + "]}";
+  };
+  // The same bytes twice, one range inside another, and a partial overlap of the last two of three.
+  expect_parse_error("{" + entry("a", 0, 4) + ", " + entry("b", 0, 4) + "}", 4,
+                     "tensors 'a' and 'b' overlap: data_offsets [0, 4) and [0, 4)");
+  expect_parse_error("{" + entry("outer", 0, 8) + ", " + entry("inner", 2, 3) + "}", 8,
+                     "tensors 'outer' and 'inner' overlap: data_offsets [0, 8) and [2, 3)");
+  expect_parse_error("{" + entry("x", 0, 2) + ", " + entry("y", 2, 6) + ", " + entry("z", 5, 8) + "}", 8,
+                     "tensors 'y' and 'z' overlap: data_offsets [2, 6) and [5, 8)");
 }
 
 TEST(Safetensors, CopiesMisalignedTensorsIntoAlignedMemory) {

@@ -137,6 +137,26 @@ std::map<std::string, std::string> parse_metadata(const json& metadata, std::str
   return out;
 }
 
+// Two tensors over the same bytes would alias: writing one (or loading it converted in place) changes
+// the other, and no writer produces that. Empty tensors hold no bytes, so they may sit anywhere. Gaps
+// are allowed.
+void check_no_overlap(const SafetensorsHeader& header, std::string_view source) {
+  std::vector<std::pair<const std::string*, const SafetensorsTensorInfo*>> ranges;
+  ranges.reserve(header.tensors.size());
+  for (const auto& [name, info] : header.tensors)
+    if (info.begin < info.end) ranges.emplace_back(&name, &info);
+  // Sorted by begin, ranges overlap only if two neighbours do.
+  std::sort(ranges.begin(), ranges.end(),
+            [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
+  for (std::size_t i = 1; i < ranges.size(); ++i) {
+    const auto& [name_a, a] = ranges[i - 1];
+    const auto& [name_b, b] = ranges[i];
+    MOEKIT_CHECK(b->begin >= a->end, source, ": tensors '", *name_a, "' and '", *name_b, "' overlap: data_offsets [",
+                 a->begin - header.data_start, ", ", a->end - header.data_start, ") and [",
+                 b->begin - header.data_start, ", ", b->end - header.data_start, ")");
+  }
+}
+
 // A read-only private mapping of a whole file; the file descriptor is not needed once mapped.
 struct Mapping {
   void* address = nullptr;
@@ -202,6 +222,7 @@ SafetensorsHeader parse_safetensors(const uint8_t* data, std::size_t size, std::
     else
       header.tensors.emplace(name, parse_tensor_entry(name, entry, header.data_start, data_size, source));
   }
+  check_no_overlap(header, source);
   return header;
 }
 
