@@ -369,23 +369,39 @@ TEST(TokenizerErrors, BadModelIsNamed) {
 TEST(TokenizerErrors, BadIdsAndTextAreNamed) {
   const Tokenizer tokenizer = Tokenizer::from_file(kFixtures / "qwen2" / "tokenizer.json");
   const auto size = static_cast<int32_t>(tokenizer.vocab_size());
-  EXPECT_TRUE(throws_error_with(
-      [&] {
-        tokenizer.decode(std::vector<int32_t>{1, size});
-      },
-      {"id " + std::to_string(size) + " is not in the vocabulary"}));
-  EXPECT_TRUE(
-      throws_error_with([&] { tokenizer.decode(std::vector<int32_t>{-1}); }, {"id -1 is not in the vocabulary"}));
-  EXPECT_TRUE(throws_error_with([&] { tokenizer.id_to_token(size + 7); }, {"id " + std::to_string(size + 7)}));
+  EXPECT_TRUE(throws_error_with([&] { tokenizer.decode(std::vector<int32_t>{1, -1}); }, {"id -1 is negative"}));
+  EXPECT_TRUE(throws_error_with([&] { tokenizer.id_to_token(size + 7); },
+                                {"id " + std::to_string(size + 7) + " is not in the vocabulary"}));
   EXPECT_TRUE(throws_error_with([&] { tokenizer.encode("ok \xC3\x28 bad"); }, {"not valid UTF-8", "byte 3"}));
 
   // A bad id leaves the stream as it was.
   DecodeStream stream(tokenizer);
   const std::vector<int32_t> ids = tokenizer.encode("Hello world", false);
   std::string streamed = stream.step(ids[0]);
-  EXPECT_TRUE(throws_error_with([&] { stream.step(size); }, {"id " + std::to_string(size)}));
+  EXPECT_TRUE(throws_error_with([&] { stream.step(-3); }, {"id -3 is negative"}));
   for (std::size_t i = 1; i < ids.size(); ++i) streamed += stream.step(ids[i]);
   EXPECT_EQ(streamed + stream.finish(), "Hello world");
+}
+
+// A model's vocabulary is often padded past its tokenizer's (to a multiple of 64 or 128), and sampling
+// can pick an id there. transformers decodes such ids as "" (tokenizers' decode skips ids it has no token
+// for), so decode and the stream do too, and generation goes on.
+TEST(TokenizerDecode, IdsPastTheTokenizerDecodeAsNothing) {
+  for (const std::string& name : kTokenizers) {
+    const Tokenizer tokenizer = Tokenizer::from_file(kFixtures / name / "tokenizer.json");
+    const auto size = static_cast<int32_t>(tokenizer.vocab_size());
+    const int32_t padded = (size + 127) / 128 * 128 + 128;  // past the tokenizer, within a padded vocab
+    const std::vector<int32_t> hello = tokenizer.encode("Hello world", false);
+    std::vector<int32_t> with_padding = {size, padded - 1};
+    for (const int32_t id : hello) with_padding.insert(with_padding.end() - 1, {id, size + 1});
+    EXPECT_EQ(tokenizer.decode(with_padding), tokenizer.decode(hello)) << name;
+    EXPECT_EQ(tokenizer.decode(std::vector<int32_t>{size}), "") << name;
+
+    DecodeStream stream(tokenizer);
+    std::string streamed;
+    for (const int32_t id : with_padding) streamed += stream.step(id);
+    EXPECT_EQ(streamed + stream.finish(), tokenizer.decode(hello)) << name;
+  }
 }
 
 // `depth` Sequences listing their parts under `list_key`, one inside the other, around the JSON text

@@ -106,6 +106,11 @@ struct Tokenizer::Impl {
   }
   // The token string of id; throws for an id nothing has.
   const std::string& token_of(int32_t id) const;
+  // What decode makes of id: its token, or nullptr for an id >= 0 that has none; throws for a
+  // negative id. tokenizers' decode skips ids with no token, so transformers decodes them as "", and
+  // models pad their vocabulary past the tokenizer's (to a multiple of 64 or 128): a sampled id there
+  // must not end generation. A negative id is no token id at all (tokenizers' ids are u32).
+  const std::string* token_or_null(int32_t id) const;
   void check_post_processor() const;
 
   std::string origin;
@@ -209,11 +214,16 @@ void Tokenizer::Impl::check_post_processor() const {
 }
 
 const std::string& Tokenizer::Impl::token_of(int32_t id) const {
-  if (const AddedToken* token = added_by_id(id)) return token->text;
-  const std::string* token = model.id_to_token(id);
+  const std::string* token = token_or_null(id);
   MOEKIT_CHECK(token != nullptr, "Tokenizer (", origin, "): id ", id, " is not in the vocabulary (", vocab_size, " ids",
                id >= 0 && id < vocab_size ? ", with gaps" : "", ")");
   return *token;
+}
+
+const std::string* Tokenizer::Impl::token_or_null(int32_t id) const {
+  MOEKIT_CHECK(id >= 0, "Tokenizer (", origin, "): id ", id, " is negative; token ids start at 0");
+  if (const AddedToken* token = added_by_id(id)) return &token->text;
+  return model.id_to_token(id);
 }
 
 void Tokenizer::Impl::split_added(std::string_view text, bool at_start, const TokenMatcher& matcher,
@@ -325,7 +335,7 @@ std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_to
   for (const int32_t id : ids) {
     const AddedToken* added = impl.added_by_id(id);
     if (skip_special_tokens && added != nullptr && added->special) continue;
-    tokens.push_back(impl.token_of(id));
+    if (const std::string* token = impl.token_or_null(id)) tokens.push_back(*token);
   }
   if (!impl.decoder) {
     // tokenizers joins the tokens with spaces when there is no decoder.
@@ -373,7 +383,7 @@ DecodeStream::DecodeStream(Tokenizer tokenizer, bool skip_special_tokens)
 // since; new text is the window's decode beyond the context's decode, returned once it does not end in
 // U+FFFD (an unfinished UTF-8 sequence).
 std::string DecodeStream::step(int32_t id) {
-  tokenizer_.impl_->token_of(id);  // a bad id throws here, before it joins the window
+  tokenizer_.impl_->token_or_null(id);  // a bad id throws here, before it joins the window
   if (prefix_.empty() && !ids_.empty()) {
     // Nothing returned yet (or only an empty text): what the window has so far becomes the context once
     // it is complete.
