@@ -111,6 +111,10 @@ add_cli_test(cli_forward_needs_tokens EXPECT failure PATTERNS "--tokens is requi
              ARGS forward --model ${fixture_models}/olmoe --output unused.safetensors)
 add_cli_test(cli_make_model_unknown_preset EXPECT failure PATTERNS "unknown preset 'huge'" "presets: tiny"
              ARGS make-model --preset huge --out ${CMAKE_CURRENT_BINARY_DIR}/unused_model)
+add_cli_test(cli_make_model_past_memory EXPECT failure
+             PATTERNS "make-model: a random qwen3-30b-a3b model of 1000000 layers in bf16 needs [0-9.]+ TiB"
+                      "on cpu but .* is available"
+             ARGS make-model --preset qwen3-30b-a3b --layers 1000000 --out ${CMAKE_CURRENT_BINARY_DIR}/unused_model)
 # The README's main job: the built-in model, written into the build tree rather than ~/.cache.
 add_cli_test(cli_generate_builtin EXPECT success
              PATTERNS "writing the built-in model|model: .*builtin-tiny-v1" "qwen3_moe: 4 layers" "Hello, experts"
@@ -145,6 +149,9 @@ add_cli_test(cli_bench_gemm_refuses_the_cpu EXPECT failure PATTERNS "bench-gemm:
              ARGS bench-gemm --device cpu)
 add_cli_test(cli_bench_gemm_unknown_format EXPECT failure PATTERNS "--format" "int4"
              ARGS bench-gemm --format int4)
+add_cli_test(cli_bench_gemm_rows_that_overflow EXPECT failure
+             PATTERNS "bench-gemm: --groups x --rows-per-expert: 4 x [0-9]+ does not fit in 64 bits"
+             ARGS bench-gemm --rows-per-expert 4611686018427387904 --groups 4)
 # moekit quantize: a fixture's experts to FP4 (the qwen3_moe fixture's I = 24 runs FP4 quantised; FP8 would be
 # dequantised at load), then generation from the copy names the quantised experts. The output directory is
 # cleared first so that the tests run again.

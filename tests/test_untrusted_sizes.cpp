@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -184,3 +185,37 @@ TEST_F(UntrustedSizes, WeightsThatCannotFitAreRefusedBeforeLoading) {
 }
 
 }  // namespace
+
+// The same refusals against a GPU's free memory.
+class UntrustedSizesCuda : public UntrustedSizes {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!device_available(Device::cuda(), &why)) GTEST_SKIP() << "no GPU: " << why;
+    UntrustedSizes::SetUp();
+  }
+};
+
+TEST_F(UntrustedSizesCuda, KvCacheThatCannotFitIsRefusedBeforeGenerating) {
+  write_config();
+  CausalLM model = CausalLM::from_pretrained(dir_.string(), {.device = Device::cuda()});
+  GenerationConfig g;
+  g.max_new_tokens = int64_t{1} << 40;  // the cache in float32 on the GPU too: 768 TiB
+  const std::string error = error_of([&] { model.generate(std::vector<int32_t>{5, 6}, g); });
+  EXPECT_CONTAINS(error, "generate: the KV cache for 1099511627777 positions");
+  EXPECT_CONTAINS(error, "needs 768.0 TiB");
+  EXPECT_CONTAINS(error, " on cuda:0 but ");
+  // A generation that fits still runs after the refusal.
+  g.max_new_tokens = 4;
+  EXPECT_EQ(model.generate(std::vector<int32_t>{5, 6}, g).tokens.size(), 4u);
+}
+
+TEST_F(UntrustedSizesCuda, WeightsThatCannotFitAreRefusedBeforeLoading) {
+  const std::optional<std::size_t> available = available_memory_bytes(Device::cuda());
+  ASSERT_TRUE(available.has_value());
+  write_with_sparse_extra(fs::path(MOEKIT_FIXTURES_DIR) / "models" / "qwen3_moe" / "model.safetensors",
+                          dir_ / "model.safetensors", *available + (std::size_t{1} << 30));
+  const std::string error = load_error({.dtype = DType::bf16, .device = Device::cuda()});
+  EXPECT_CONTAINS(error, " in bf16 (its weights) needs ");
+  EXPECT_CONTAINS(error, " on cuda:0 but ");
+}

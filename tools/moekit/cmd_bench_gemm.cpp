@@ -17,6 +17,7 @@
 
 #include "moekit/bench_presets.h"
 #include "moekit/bench_report.h"
+#include "moekit/checked_math.h"
 #include "moekit/commands.h"
 #include "moekit/device.h"
 #include "moekit/flag_table.h"
@@ -259,6 +260,14 @@ nlohmann::ordered_json row_json(const GemmRow& r) {
 void run(GemmBenchCommand& state) {
   const GemmBenchOptions& o = state.options;
   const Device device = parse_device(o.device);
+  auto groups_for = [&](int64_t m) { return o.groups > 0 ? o.groups : std::max<int64_t>(1, kDefaultTotalRows / m); };
+  // The operands' largest product: every row of the layout (groups x m padded to 128) by the widest K.
+  int64_t widest_k = 0;
+  for (const ShapePreset& p : kShapePresets) widest_k = std::max({widest_k, p.hidden, p.intermediate});
+  for (const int64_t m : o.rows_per_expert)
+    checked_mul(checked_mul(groups_for(m), checked_add(m, 127, "bench-gemm: --rows-per-expert padded to 128"),
+                            "bench-gemm: --groups x --rows-per-expert"),
+                widest_k, "bench-gemm: the row matrix's elements, rows x K");
   if (const Support s = hopper_grouped_gemm_supports_device(device); !s) MOEKIT_FAIL("bench-gemm: ", s.reason);
   MOEKIT_CHECK(!o.rows_per_expert.empty() && !o.shapes.empty() && !o.projections.empty() && !o.formats.empty() &&
                    !o.epilogues.empty(),
@@ -273,7 +282,6 @@ void run(GemmBenchCommand& state) {
     flush_src = Tensor::zeros({kFlushBytes}, DType::u8, device);
     flush_dst = Tensor::empty({kFlushBytes}, DType::u8, device);
   }
-  auto groups_for = [&](int64_t m) { return o.groups > 0 ? o.groups : std::max<int64_t>(1, kDefaultTotalRows / m); };
   int64_t max_groups = 0;
   for (const int64_t m : o.rows_per_expert) max_groups = std::max(max_groups, groups_for(m));
 

@@ -8,10 +8,12 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "moekit/checked_math.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
 #include "moekit/random_problem.h"
 #include "moekit/safetensors.h"
+#include "moekit/model/weight_reader.h"
 
 namespace moekit {
 namespace {
@@ -106,6 +108,12 @@ void write_random_model(const std::string& dir, const RandomModelSpec& spec) {
   MOEKIT_CHECK(spec.layers >= 0, "random model: layers must be >= 0 (0 = the preset's), got ", spec.layers);
   const int64_t layers = spec.layers > 0 ? spec.layers : p.layers;
   const int64_t H = p.hidden, V = p.vocab, E = p.experts, I = p.moe_intermediate, hd = p.head_dim;
+  // Every tensor is held until the file is written, so a layer count past memory is refused up front.
+  const int64_t layer_values = 2 * H + 2 * (p.heads + p.kv_heads) * hd * H + 2 * hd + E * H + 3 * E * I * H;
+  const std::string what = "make-model: a random " + std::string(p.name) + " model of " + std::to_string(layers) + " layers";
+  const int64_t values = checked_add(checked_mul(layers, layer_values, what), 2 * V * H + H, what);
+  require_memory(Device::cpu(), static_cast<std::size_t>(checked_mul(values, static_cast<int64_t>(dtype_size(spec.dtype)), what)),
+                 what + " in " + std::string(dtype_name(spec.dtype)));
   namespace fs = std::filesystem;
   fs::create_directories(dir);
 
