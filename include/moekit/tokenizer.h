@@ -46,8 +46,9 @@ class Tokenizer {
   // Ids of text. add_special_tokens runs the post-processor (e.g. a BOS prefix); special tokens written
   // in the text are matched either way. text must be valid UTF-8.
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = true) const;
-  // Text of ids (each in [0, vocab_size()) and known to the vocabulary); skip_special_tokens drops the
-  // added tokens marked special. Byte sequences that are not UTF-8 come out as U+FFFD.
+  // Text of ids; skip_special_tokens drops the added tokens marked special. An id >= 0 with no token (a
+  // model vocabulary padded past the tokenizer's) decodes as nothing, as tokenizers' decode does; a
+  // negative id throws. Byte sequences that are not UTF-8 come out as U+FFFD.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 
   // One more than the largest id of the vocabulary and the added tokens.
