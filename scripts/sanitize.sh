@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU build under AddressSanitizer and UndefinedBehaviorSanitizer (build-sanitize/, no CUDA, no fuzzers:
-# they have their own sanitizers), then the whole test suite with any report fatal. About 30 minutes on
-# 2 cores. Arguments go to ctest (say -R Tokenizer for a part of the suite).
+# they have their own sanitizers), then the whole test suite with any report fatal. The build takes about
+# half an hour on 2 cores. Arguments go to ctest (say -R Tokenizer for a part of the suite).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh >/dev/null
