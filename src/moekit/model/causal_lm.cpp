@@ -20,7 +20,6 @@
 #include <map>
 #include <memory>
 #include <random>
-#include <set>
 
 #include "moekit/checked_math.h"
 #include "moekit/device.h"
