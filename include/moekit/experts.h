@@ -4,6 +4,11 @@
 // The routing weight multiplies after the down projection and its bias; the sum over k runs in
 // float32 in the order k = 0..K-1. An id >= E is an expert-parallel sentinel (no contribution, no
 // work); a negative id is invalid input.
+//
+// The backward (DESIGN §2b): given grad_out [T, H], the gradients of out with respect to hidden_states,
+// top_k_weights (zero at sentinel slots), the weights and the biases, each in its input's dtype and
+// layout, accumulated in float32; top_k_index is not differentiable. Sums over tokens (weight gradients)
+// and over k (hidden-state gradients) run in a fixed order: the results are bitwise reproducible.
 #pragma once
 
 #include <cstdint>
@@ -82,6 +87,21 @@ void check_routing_ids(const ExpertsProblem& problem);
 // FLOPs of one call: 2 * (pairs routed to a real expert) * H * (2I + I) for gated experts.
 double experts_flops(const ExpertsShape& shape, bool has_gate, double routed_pairs);
 
+// FLOPs of one backward call: twice the forward's (12 * pairs * H * I gated), what DESIGN §2b counts. A
+// backend that recomputes the forward's first projection does more work than this.
+double experts_backward_flops(const ExpertsShape& shape, bool has_gate, double routed_pairs);
+
+// The gradients of one experts call. Each has the shape, dtype and layout of its input; the bias gradients
+// are defined exactly when config.has_bias.
+struct ExpertsGradients {
+  Tensor hidden_states;      // [T, H]
+  Tensor top_k_weights;      // [T, K], zero at sentinel slots
+  Tensor gate_up_proj;       // the layout of gate_up_proj (or up_proj)
+  Tensor down_proj;          // the layout of down_proj
+  Tensor gate_up_proj_bias;  // [E, 2I] ([E, I] without gate)
+  Tensor down_proj_bias;     // [E, H]
+};
+
 // A backend's answer to "can you run this?": ok, or the reason why not.
 struct Support {
   bool ok = true;
@@ -110,6 +130,16 @@ class ExpertsBackend {
   virtual std::size_t workspace_bytes(const ExpertsProblem& problem) const = 0;
   // Writes out [T, H] (dtype of hidden_states, contiguous). workspace holds workspace_bytes().
   virtual void forward(const ExpertsProblem& problem, Tensor& out, void* workspace, Stream stream) = 0;
+
+  // The backward: supports_backward(problem) -> backward_workspace_bytes(problem) -> backward(...).
+  // Nothing is saved by the forward: a backward reads the problem's inputs again (and recomputes what
+  // it needs of the forward). The defaults refuse: a backend without a backward says so.
+  virtual Support supports_backward(const ExpertsProblem& problem) const;
+  virtual std::size_t backward_workspace_bytes(const ExpertsProblem& problem) const;
+  // grad_out [T, H] (dtype of hidden_states, contiguous); writes every tensor of grads (all allocated,
+  // contiguous, in their inputs' dtypes and shapes; the bias gradients only with has_bias).
+  virtual void backward(const ExpertsProblem& problem, const Tensor& grad_out, ExpertsGradients& grads,
+                        void* workspace, Stream stream);
 };
 
 // The registry of backends by name. The built-in backends are registered on first use; users add
@@ -138,5 +168,14 @@ class ExpertsInterface {
 // allocated for the call.
 Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend = "grouped_mm", Tensor out = Tensor(),
                        Stream stream = Stream(), Tensor workspace = Tensor());
+
+// The backward of the named backend (DESIGN §2b), with the life of experts_forward: validates the problem
+// and grad_out, asks supports_backward (throws with the reason), sizes the workspace and writes grads. A
+// gradient left undefined in grads is allocated; a defined one must have its input's shape and dtype, be
+// contiguous and on the problem's device. Pass a workspace of at least backward_workspace_bytes(problem)
+// bytes to run with no allocation (CUDA graph capture).
+ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& grad_out,
+                                  std::string_view backend = "grouped_mm", ExpertsGradients grads = ExpertsGradients(),
+                                  Stream stream = Stream(), Tensor workspace = Tensor());
 
 }  // namespace moekit

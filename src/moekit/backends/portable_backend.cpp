@@ -1,5 +1,6 @@
 #include "moekit/backends/portable_backend.h"
 
+#include "moekit/backends/cpu_backward.h"
 #include "moekit/backends/quantized_support.h"
 #include "moekit/core/device_memory.h"
 
@@ -72,6 +73,21 @@ cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
   a.out = out ? out->data() : nullptr;
   return a;
 }
+
+cuda::ExpertsBackwardArgs cuda_backward_args(const ExpertsProblem& p, const Tensor* grad_out, ExpertsGradients* g) {
+  cuda::ExpertsBackwardArgs b;
+  b.a = cuda_args(p);
+  if (grad_out) b.grad_out = grad_out->data();
+  if (g) {
+    b.grad_x = g->hidden_states.data();
+    b.grad_routing_weights = g->top_k_weights.data();
+    b.grad_up = g->gate_up_proj.data();
+    b.grad_down = g->down_proj.data();
+    b.grad_up_bias = p.config.has_bias ? g->gate_up_proj_bias.data() : nullptr;
+    b.grad_down_bias = p.config.has_bias ? g->down_proj_bias.data() : nullptr;
+  }
+  return b;
+}
 #endif
 
 Support PortableBackend::supports(const ExpertsProblem& p) const {
@@ -93,6 +109,45 @@ void PortableBackend::forward(const ExpertsProblem& p, Tensor& out, void* worksp
 #endif
   (void)stream;
   cpu_forward(p, out, workspace);
+}
+
+Support PortableBackend::supports_backward(const ExpertsProblem& p) const {
+  if (p.config.quantization.quantized())
+    return Support::no("quantised experts (" + p.config.quantization.describe() +
+                       ") have no backward: FP8 / FP4 training is out of scope; dequantise the weights to bf16 to train");
+  const Device device = p.hidden_states.device();
+  if (Support s = supports_device(device); !s) return s;
+#if MOEKIT_HAS_CUDA
+  if (device.is_cuda() && cuda_.backward == nullptr)
+    return Support::no("the CUDA backward of '" + std::string(name()) + "' is not built yet");
+#endif
+  return Support::yes();
+}
+
+std::size_t PortableBackend::backward_workspace_bytes(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  if (p.hidden_states.device().is_cuda()) return cuda_.backward_workspace_bytes(cuda_backward_args(p));
+#endif
+  return cpu_backward_workspace_bytes(p);
+}
+
+void PortableBackend::backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGradients& grads,
+                               void* workspace, Stream stream) {
+#if MOEKIT_HAS_CUDA
+  if (p.hidden_states.device().is_cuda())
+    return cuda_.backward(cuda_backward_args(p, &grad_out, &grads), workspace, cuda_stream(stream));
+#endif
+  (void)stream;
+  cpu_backward(p, grad_out, grads, workspace);
+}
+
+std::size_t PortableBackend::cpu_backward_workspace_bytes(const ExpertsProblem& p) const {
+  return cpu::sorted_backward_workspace_bytes(p);
+}
+
+void PortableBackend::cpu_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGradients& grads,
+                                   void* workspace) {
+  cpu::sorted_backward(p, grad_out, grads, workspace);
 }
 
 }  // namespace moekit::backends

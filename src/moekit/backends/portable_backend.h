@@ -27,7 +27,13 @@ inline cudaStream_t cuda_stream(Stream s) {
 struct CudaKernels {
   std::size_t (*workspace_bytes)(const cuda::ExpertsArgs&);
   void (*forward)(const cuda::ExpertsArgs&, void*, cudaStream_t);
+  // Null where the backend has no CUDA backward (supports_backward then says so).
+  std::size_t (*backward_workspace_bytes)(const cuda::ExpertsBackwardArgs&) = nullptr;
+  void (*backward)(const cuda::ExpertsBackwardArgs&, void*, cudaStream_t) = nullptr;
 };
+// The backward's kernel arguments of a validated problem, grad_out and the gradients (null: sizes only).
+cuda::ExpertsBackwardArgs cuda_backward_args(const ExpertsProblem& p, const Tensor* grad_out = nullptr,
+                                             ExpertsGradients* grads = nullptr);
 #else
 struct CudaKernels {};
 #endif
@@ -43,6 +49,11 @@ class PortableBackend : public ExpertsBackend {
   Support supports(const ExpertsProblem& p) const override;
   std::size_t workspace_bytes(const ExpertsProblem& p) const override;
   void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override;
+  // Unquantised problems (FP8 / FP4 training is out of scope), on the CPU and where the CUDA backward exists.
+  Support supports_backward(const ExpertsProblem& p) const override;
+  std::size_t backward_workspace_bytes(const ExpertsProblem& p) const override;
+  void backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGradients& grads, void* workspace,
+                Stream stream) override;
 
  protected:
 #if MOEKIT_HAS_CUDA
@@ -52,6 +63,9 @@ class PortableBackend : public ExpertsBackend {
 #endif
   virtual std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const = 0;
   virtual void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) = 0;
+  // The CPU backward: by default the sorted-row pipeline of cpu_backward.h, which all three share.
+  virtual std::size_t cpu_backward_workspace_bytes(const ExpertsProblem& p) const;
+  virtual void cpu_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGradients& grads, void* workspace);
 
  private:
 #if MOEKIT_HAS_CUDA

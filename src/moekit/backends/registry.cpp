@@ -58,6 +58,81 @@ std::vector<std::string> ExpertsInterface::names() const {
   return out;
 }
 
+Support ExpertsBackend::supports_backward(const ExpertsProblem&) const {
+  return Support::no("experts backend '" + std::string(name()) + "' has no backward pass");
+}
+
+std::size_t ExpertsBackend::backward_workspace_bytes(const ExpertsProblem&) const {
+  return 0;
+}
+
+void ExpertsBackend::backward(const ExpertsProblem&, const Tensor&, ExpertsGradients&, void*, Stream) {
+  MOEKIT_FAIL("experts backend '", name(), "' has no backward pass");
+}
+
+namespace {
+
+// A caller's workspace, checked, or one allocated for the call (none when bytes is 0).
+void* prepare_workspace(Tensor& workspace, std::size_t bytes, Device device, std::string_view backend_name) {
+  if (workspace.defined()) {
+    MOEKIT_CHECK(workspace.device() == device && workspace.is_contiguous() && workspace.nbytes() >= bytes,
+                 "workspace must be a contiguous tensor of at least ", bytes, " bytes on ", device_name(device),
+                 " for backend '", backend_name, "', got ", workspace.describe());
+  } else if (bytes > 0) {
+    workspace = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, device);
+  }
+  return bytes > 0 ? workspace.data() : nullptr;
+}
+
+// A caller's tensor for `what`, checked against the shape and dtype it must have, or a new one.
+void prepare_output(Tensor& t, const Shape& shape, DType dtype, Device device, std::string_view what) {
+  if (!t.defined()) {
+    t = Tensor::empty(shape, dtype, device);
+    return;
+  }
+  MOEKIT_CHECK(t.shape() == shape && t.dtype() == dtype && t.device() == device && t.is_contiguous(), what,
+               " must be a contiguous ", dtype_name(dtype), shape_string(shape), " on ", device_name(device), ", got ",
+               t.describe());
+}
+
+}  // namespace
+
+ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& grad_out, std::string_view backend_name,
+                                  ExpertsGradients grads, Stream stream, Tensor workspace) {
+  ExpertsBackend& backend = ExpertsInterface::global().get(backend_name);
+  const ExpertsShape shape = validate(problem);
+  const Device device = problem.hidden_states.device();
+  const Support device_support = backend.supports_device(device);
+  MOEKIT_CHECK(device_support.ok, "experts backend '", backend_name, "' cannot run on ", device_name(device), ": ",
+               device_support.reason);
+  const Support support = backend.supports_backward(problem);
+  MOEKIT_CHECK(support.ok, "experts backend '", backend_name, "' cannot run the backward of this problem: ",
+               support.reason);
+  const Shape th{shape.tokens, shape.hidden};
+  MOEKIT_CHECK(grad_out.defined() && grad_out.shape() == th && grad_out.dtype() == problem.hidden_states.dtype() &&
+                   grad_out.device() == device && grad_out.is_contiguous(),
+               "grad_out must be a contiguous ", dtype_name(problem.hidden_states.dtype()), shape_string(th), " on ",
+               device_name(device), ", got ", grad_out.describe());
+  prepare_output(grads.hidden_states, th, problem.hidden_states.dtype(), device, "grad_hidden_states");
+  prepare_output(grads.top_k_weights, problem.top_k_weights.shape(), problem.top_k_weights.dtype(), device,
+                 "grad_top_k_weights");
+  prepare_output(grads.gate_up_proj, problem.gate_up_proj.shape(), problem.gate_up_proj.dtype(), device,
+                 problem.config.has_gate ? "grad_gate_up_proj" : "grad_up_proj");
+  prepare_output(grads.down_proj, problem.down_proj.shape(), problem.down_proj.dtype(), device, "grad_down_proj");
+  if (problem.config.has_bias) {
+    prepare_output(grads.gate_up_proj_bias, problem.gate_up_proj_bias.shape(), problem.gate_up_proj_bias.dtype(),
+                   device, "grad_gate_up_proj_bias");
+    prepare_output(grads.down_proj_bias, problem.down_proj_bias.shape(), problem.down_proj_bias.dtype(), device,
+                   "grad_down_proj_bias");
+  } else {
+    MOEKIT_CHECK(!grads.gate_up_proj_bias.defined() && !grads.down_proj_bias.defined(),
+                 "bias gradients were given for a problem without has_bias");
+  }
+  const std::size_t bytes = backend.backward_workspace_bytes(problem);
+  backend.backward(problem, grad_out, grads, prepare_workspace(workspace, bytes, device, backend_name), stream);
+  return grads;
+}
+
 Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend_name, Tensor out, Stream stream,
                        Tensor workspace) {
   ExpertsBackend& backend = ExpertsInterface::global().get(backend_name);
@@ -77,14 +152,7 @@ Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend_n
     out = Tensor::empty({shape.tokens, shape.hidden}, problem.hidden_states.dtype(), device);
   }
   const std::size_t workspace_bytes = backend.workspace_bytes(problem);
-  if (workspace.defined()) {
-    MOEKIT_CHECK(workspace.device() == device && workspace.is_contiguous() && workspace.nbytes() >= workspace_bytes,
-                 "workspace must be a contiguous tensor of at least ", workspace_bytes, " bytes on ",
-                 device_name(device), " for backend '", backend_name, "', got ", workspace.describe());
-  } else if (workspace_bytes > 0) {
-    workspace = Tensor::empty({static_cast<int64_t>(workspace_bytes)}, DType::u8, device);
-  }
-  backend.forward(problem, out, workspace_bytes > 0 ? workspace.data() : nullptr, stream);
+  backend.forward(problem, out, prepare_workspace(workspace, workspace_bytes, device, backend_name), stream);
   return out;
 }
 

@@ -207,4 +207,8 @@ double experts_flops(const ExpertsShape& s, bool has_gate, double routed_pairs) 
   return 2.0 * routed_pairs * static_cast<double>(s.hidden) * (up_rows + static_cast<double>(s.intermediate));
 }
 
+double experts_backward_flops(const ExpertsShape& s, bool has_gate, double routed_pairs) {
+  return 2.0 * experts_flops(s, has_gate, routed_pairs);
+}
+
 }  // namespace moekit

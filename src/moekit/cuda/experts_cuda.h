@@ -54,6 +54,21 @@ struct ExpertsArgs {
   MOEKIT_HOST_DEVICE bool quantized() const { return weights != WeightFormat::none; }
 };
 
+// The backward of one experts call on the device (DESIGN §2b): a holds the forward's inputs (a.out unused,
+// unquantised weights only), grad_out the incoming gradient, and the grad_* pointers where each gradient
+// goes: contiguous, each in its input's dtype and layout (grad_routing_weights in routing_dtype; the bias
+// gradients null without bias). Every element of every gradient is written.
+struct ExpertsBackwardArgs {
+  ExpertsArgs a;
+  const void* grad_out = nullptr;        // [T, H] dtype
+  void* grad_x = nullptr;                // [T, H] dtype
+  void* grad_routing_weights = nullptr;  // [T, K] routing_dtype, zero at sentinel slots
+  void* grad_up = nullptr;               // the layout of a.up
+  void* grad_down = nullptr;             // the layout of a.down
+  void* grad_up_bias = nullptr;          // [E, N] dtype or null
+  void* grad_down_bias = nullptr;        // [E, H] dtype or null
+};
+
 std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a);
 void batched_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
 

@@ -1,0 +1,445 @@
+// The backward of DESIGN §2b: the float64 reference backward against finite differences of the reference
+// forward, then every backend with a backward, on every device, against the reference backward on the
+// harness's case list (harness_cases.h), each gradient with the forward's tolerances by dtype. Backends and
+// problems without a backward must say why.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "harness.h"
+#include "harness_cases.h"
+#include "moekit/experts.h"
+#include "moekit/random_problem.h"
+#include "moekit/reference.h"
+
+namespace moekit {
+namespace {
+
+using test::HarnessCase;
+
+// ---------------------------------------------------------------------------------------------------------
+// The reference backward against finite differences of the reference forward
+
+// The finite-difference step, and the grid every input value is rounded to so that moving it by the step is
+// exact in f32 (values below 16 in magnitude: 4 + 20 bits fit f32's 24). The step is small so that moving the
+// inputs rarely carries a pre-activation across a kink (relu's 0, GPT-OSS's clamps at +-7).
+constexpr double kStep = 1.0 / (1 << 20);
+
+void round_to_grid(Tensor& t) {
+  if (!t.defined()) return;
+  float* v = t.data_as<float>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    v[i] = static_cast<float>(std::round(static_cast<double>(v[i]) / kStep) * kStep);
+}
+
+// L = <grad_out, out>, with out from the float64 reference.
+double loss(const ExpertsProblem& p, const std::vector<double>& grad_out) {
+  const std::vector<double> out = experts_reference(p);
+  double sum = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) sum += grad_out[i] * out[i];
+  return sum;
+}
+
+struct FiniteDifferenceCase {
+  const char* name;
+  test::ActivationChoice activation;
+  bool has_gate, has_bias, transposed, concatenated;
+};
+
+class ReferenceBackward : public ::testing::TestWithParam<FiniteDifferenceCase> {};
+
+// For each differentiable input, a random +-1 direction v: (L(x + h v) - L(x - h v)) / 2h must equal
+// <gradient, v>. Central differences are exact for quadratics, so what is left is h^2 times the third
+// derivative and double's rounding over 2h, both far below the bound; a wrong term in any gradient is of the
+// order of the gradient itself.
+TEST_P(ReferenceBackward, MatchesFiniteDifferences) {
+  const FiniteDifferenceCase& fc = GetParam();
+  RandomProblemOptions o;
+  o.tokens = 9;
+  o.hidden = 12;
+  o.intermediate = 10;
+  o.experts = 5;
+  o.top_k = 3;
+  o.dtype = DType::f32;
+  o.sentinel_fraction = 0.2;
+  o.seed = 77;
+  o.config = test::make_config(fc.activation, fc.has_gate, fc.has_bias, fc.transposed, fc.concatenated);
+  // GPT-OSS: inputs large enough that both clamps are active on a share of the values.
+  if (o.config.swiglu_limit) o.input_scale = 16.0f;
+  ExpertsProblem p = make_random_problem(o);
+  for (Tensor* t : {&p.hidden_states, &p.top_k_weights, &p.gate_up_proj, &p.down_proj, &p.gate_up_proj_bias,
+                    &p.down_proj_bias})
+    round_to_grid(*t);
+  Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, DType::f32);
+  fill_uniform(grad_out, 1.0f, 5);
+  std::vector<double> dy(static_cast<std::size_t>(grad_out.numel()));
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = grad_out.data_as<float>()[i];
+  const ReferenceGradients g = experts_reference_backward(p, grad_out);
+
+  const double h = kStep;
+  struct Input {
+    const char* name;
+    Tensor* tensor;
+    const std::vector<double>* gradient;
+  };
+  std::vector<Input> inputs = {{"hidden_states", &p.hidden_states, &g.hidden_states},
+                               {"top_k_weights", &p.top_k_weights, &g.top_k_weights},
+                               {"gate_up_proj", &p.gate_up_proj, &g.gate_up_proj},
+                               {"down_proj", &p.down_proj, &g.down_proj}};
+  if (fc.has_bias) {
+    inputs.push_back({"gate_up_proj_bias", &p.gate_up_proj_bias, &g.gate_up_proj_bias});
+    inputs.push_back({"down_proj_bias", &p.down_proj_bias, &g.down_proj_bias});
+  }
+  uint64_t direction_seed = 11;
+  for (const Input& in : inputs) {
+    ASSERT_EQ(static_cast<std::size_t>(in.tensor->numel()), in.gradient->size()) << in.name;
+    Tensor direction = Tensor::empty(in.tensor->shape(), DType::f32);
+    fill_uniform(direction, 1.0f, direction_seed++);
+    float* v = direction.data_as<float>();
+    float* x = in.tensor->data_as<float>();
+    double predicted = 0, magnitude = 0;
+    for (int64_t i = 0; i < direction.numel(); ++i) {
+      v[i] = v[i] < 0 ? -1.0f : 1.0f;
+      predicted += v[i] * (*in.gradient)[static_cast<std::size_t>(i)];
+      magnitude += std::abs((*in.gradient)[static_cast<std::size_t>(i)]);
+    }
+    const std::vector<float> original(x, x + in.tensor->numel());
+    for (int64_t i = 0; i < direction.numel(); ++i) x[i] = original[static_cast<std::size_t>(i)] + h * v[i];
+    const double plus = loss(p, dy);
+    for (int64_t i = 0; i < direction.numel(); ++i) x[i] = original[static_cast<std::size_t>(i)] - h * v[i];
+    const double minus = loss(p, dy);
+    std::copy(original.begin(), original.end(), x);
+    const double measured = (plus - minus) / (2 * h);
+    ASSERT_GT(magnitude, 0) << in.name << ": an all-zero gradient checks nothing";
+    EXPECT_NEAR(measured, predicted, 1e-6 * magnitude + 1e-9)
+        << "d<grad_out, out> / d " << in.name << " along a random direction";
+  }
+}
+
+std::vector<FiniteDifferenceCase> finite_difference_cases() {
+  std::vector<FiniteDifferenceCase> cases;
+  for (const auto& a : test::kActivations)
+    for (bool has_gate : {true, false})
+      for (bool has_bias : {false, true})
+        for (bool transposed : {false, true})
+          for (bool concatenated : {true, false}) {
+            if (!has_gate && (a.clamped || !concatenated)) continue;
+            cases.push_back({a.name, a, has_gate, has_bias, transposed, concatenated});
+          }
+  return cases;
+}
+
+std::string finite_difference_name(const ::testing::TestParamInfo<FiniteDifferenceCase>& info) {
+  const FiniteDifferenceCase& c = info.param;
+  return test::config_name(c.activation, test::make_config(c.activation, c.has_gate, c.has_bias, c.transposed,
+                                                           c.concatenated));
+}
+
+INSTANTIATE_TEST_SUITE_P(Activations, ReferenceBackward, ::testing::ValuesIn(finite_difference_cases()),
+                         finite_difference_name);
+
+TEST(ReferenceBackwardDerivatives, ClampPassesNoGradientWhereActive) {
+  ExpertsConfig c;
+  c.swiglu_limit = 7.0f;
+  const ActivationDerivatives above = reference_activation_derivatives(c, 7.5, 8.0);
+  EXPECT_EQ(above.gate, 0.0) << "gate above the limit";
+  EXPECT_EQ(above.up, 0.0) << "up above the limit";
+  const ActivationDerivatives below = reference_activation_derivatives(c, 1.0, -7.5);
+  EXPECT_NE(below.gate, 0.0);
+  EXPECT_EQ(below.up, 0.0) << "up below -limit";
+  const ActivationDerivatives inside = reference_activation_derivatives(c, 1.0, 2.0);
+  EXPECT_GT(inside.gate, 0.0);
+  EXPECT_GT(inside.up, 0.0);
+}
+
+TEST(ReferenceBackwardDerivatives, RefusesQuantisedProblems) {
+  RandomProblemOptions o;
+  o.hidden = 128;
+  o.intermediate = 128;
+  o.config.quantization.weights = WeightFormat::fp8_e4m3;
+  const ExpertsProblem p = make_random_problem(o);
+  const Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, DType::bf16);
+  EXPECT_TRUE(test::throws_error_with([&] { experts_reference_backward(p, grad_out); }, {"unquantised"}));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Every backend's backward against the reference backward
+
+struct BackwardParam {
+  std::string backend;
+  Device device;
+  HarnessCase c;
+};
+
+void PrintTo(const BackwardParam& p, std::ostream* os) {
+  *os << p.backend << " on " << device_name(p.device) << ", case " << p.c.name;
+}
+
+std::string describe(const BackwardParam& p) {
+  std::ostringstream os;
+  const RandomProblemOptions& o = p.c.options;
+  os << "backward of " << p.backend << " on " << device_name(p.device) << ", case " << p.c.name << " (T=" << o.tokens
+     << " H=" << o.hidden << " I=" << o.intermediate << " E=" << o.experts << " K=" << o.top_k << " "
+     << dtype_name(o.dtype) << " ids " << dtype_name(o.index_dtype) << " routing weights "
+     << dtype_name(o.weights_dtype) << ", " << o.config.describe() << ", seed " << o.seed << ")";
+  return os.str();
+}
+
+std::optional<std::string> device_skip_reason(const std::string& backend, Device device) {
+  if (auto why = test::device_unavailable(device)) return device_name(device) + " is not available: " + *why;
+  const Support s = ExpertsInterface::global().get(backend).supports_device(device);
+  if (!s) return backend + " does not run on " + device_name(device) + ": " + s.reason;
+  return std::nullopt;
+}
+
+// grad_out of a case: its own stream of values, in the dtype of hidden_states.
+Tensor grad_out_of(const HarnessCase& c) {
+  Tensor g = Tensor::empty({c.options.tokens, c.options.hidden}, DType::f32);
+  fill_uniform(g, 1.0f, c.options.seed * 7 + 3);
+  return g.to(c.options.dtype);
+}
+
+// A poisoned gradient (every byte 0xFF: NaN in every float dtype) of the shape and dtype of `like`.
+Tensor poisoned_like(const Tensor& like, Device device) {
+  if (!like.defined()) return Tensor();
+  Tensor t = Tensor::empty(like.shape(), like.dtype(), device);
+  t.fill_bytes(0xFF);
+  return t;
+}
+
+ExpertsGradients poisoned_gradients(const ExpertsProblem& p, Device device) {
+  ExpertsGradients g;
+  g.hidden_states = poisoned_like(p.hidden_states, device);
+  g.top_k_weights = poisoned_like(p.top_k_weights, device);
+  g.gate_up_proj = poisoned_like(p.gate_up_proj, device);
+  g.down_proj = poisoned_like(p.down_proj, device);
+  g.gate_up_proj_bias = poisoned_like(p.gate_up_proj_bias, device);
+  g.down_proj_bias = poisoned_like(p.down_proj_bias, device);
+  return g;
+}
+
+// A gradient as a CPU [rows, last dimension] f32 tensor, what compare_with_reference reads (row = token
+// for grad_hidden_states and grad_top_k_weights, one weight row or one expert's bias otherwise).
+Tensor as_rows(const Tensor& gradient) {
+  const Tensor host = gradient.to(Device::cpu());
+  const int64_t cols = host.shape().back();
+  const int64_t rows = cols > 0 ? host.numel() / cols : 0;
+  return test::tensor_of(test::values_of(host), {rows, cols});
+}
+
+// The reference rounded to the gradient's dtype: the best a gradient held in it can be (f16 flushes values
+// below 6e-8 to zero, so a weight-gradient row of such values is zero, not wrong).
+std::vector<double> rounded_to(const std::vector<double>& reference, DType dtype) {
+  std::vector<double> out(reference.size());
+  visit_float_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    for (std::size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<double>(to_float(from_float<T>(static_cast<float>(reference[i]))));
+  });
+  return out;
+}
+
+// A tenth of the RMS row norm of a reference gradient [rows, cols]: what each row's error is at least relative
+// to. Weight-gradient rows are sums over tokens whose net can be far smaller than their terms, so the row's own
+// norm overstates the float rounding of an exact sum of them; a wrong expert or token still shows as an error
+// the size of a whole typical row, far beyond the bound.
+double row_norm_floor(const std::vector<double>& reference, int64_t cols) {
+  if (reference.empty() || cols == 0) return 0;
+  double sum = 0;
+  for (double v : reference) sum += v * v;
+  const double rows = static_cast<double>(reference.size()) / static_cast<double>(cols);
+  return 0.1 * std::sqrt(sum / rows);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
+  const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
+  return x.nbytes() == y.nbytes() && std::memcmp(x.data(), y.data(), x.nbytes()) == 0;
+}
+
+class ExpertsBackwardHarness : public ::testing::TestWithParam<BackwardParam> {};
+
+TEST_P(ExpertsBackwardHarness, MatchesReference) {
+  const BackwardParam& p = GetParam();
+  if (auto why = device_skip_reason(p.backend, p.device)) GTEST_SKIP() << *why;
+  const std::string where = describe(p);
+  const ExpertsProblem host_problem = test::make_case_problem(p.c);
+  const Tensor host_grad_out = grad_out_of(p.c);
+  const ExpertsProblem problem = test::problem_on(host_problem, p.device);
+  const Tensor grad_out = host_grad_out.to(p.device);
+  ExpertsBackend& backend = ExpertsInterface::global().get(p.backend);
+  const Support support = backend.supports_backward(problem);
+  if (!support) {
+    if (test::is_portable_backend(p.backend))
+      FAIL() << "a portable backend has no backward for a problem of the contract: " << support.reason << "\n  "
+             << where;
+    GTEST_SKIP() << p.backend << " has no backward for this problem: " << support.reason;
+  }
+  const ReferenceGradients ref = experts_reference_backward(host_problem, host_grad_out);
+
+  ExpertsGradients grads = poisoned_gradients(problem, p.device);
+  try {
+    grads = experts_backward(problem, grad_out, p.backend, grads);
+  } catch (const std::exception& e) {
+    FAIL() << "experts_backward threw: " << e.what() << "\n  " << where;
+  }
+  synchronize(p.device);
+  const test::Tolerance tol = test::tolerance_of(p.c);
+  struct Named {
+    const char* name;
+    const Tensor* got;
+    const std::vector<double>* want;
+  };
+  std::vector<Named> all = {{"grad_hidden_states", &grads.hidden_states, &ref.hidden_states},
+                            {"grad_top_k_weights", &grads.top_k_weights, &ref.top_k_weights},
+                            {"grad_gate_up_proj", &grads.gate_up_proj, &ref.gate_up_proj},
+                            {"grad_down_proj", &grads.down_proj, &ref.down_proj}};
+  if (p.c.options.config.has_bias) {
+    all.push_back({"grad_gate_up_proj_bias", &grads.gate_up_proj_bias, &ref.gate_up_proj_bias});
+    all.push_back({"grad_down_proj_bias", &grads.down_proj_bias, &ref.down_proj_bias});
+  }
+  for (const Named& n : all) {
+    const Tensor rows = as_rows(*n.got);
+    const std::vector<double> want = rounded_to(*n.want, n.got->dtype());
+    const test::Comparison c = test::compare_with_reference(rows, want, tol, row_norm_floor(want, rows.size(1)));
+    EXPECT_TRUE(c.passed()) << n.name << ": " << c.summary() << "\n  " << where;
+  }
+
+  // Sentinel slots have no routing-weight gradient and all-sentinel tokens no hidden-state gradient:
+  // exactly zero, not merely small.
+  const std::vector<float> gw = test::values_of(grads.top_k_weights.to(Device::cpu()));
+  const std::vector<float> gx = test::values_of(grads.hidden_states.to(Device::cpu()));
+  const int64_t K = p.c.options.top_k, H = p.c.options.hidden;
+  for (int64_t t = 0; t < p.c.options.tokens; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      if (test::get_id(host_problem, t, k) < p.c.options.experts) continue;
+      EXPECT_EQ(gw[static_cast<std::size_t>(t * K + k)], 0.0f) << "sentinel slot (" << t << ", " << k << ")";
+    }
+  for (int64_t t : p.c.all_sentinel_tokens)
+    for (int64_t h = 0; h < H; ++h)
+      ASSERT_EQ(gx[static_cast<std::size_t>(t * H + h)], 0.0f) << "all-sentinel token " << t << "\n  " << where;
+
+  // Bitwise reproducible: a second run gives the very same bytes.
+  ExpertsGradients again = experts_backward(problem, grad_out, p.backend, poisoned_gradients(problem, p.device));
+  synchronize(p.device);
+  EXPECT_TRUE(bitwise_equal(grads.hidden_states, again.hidden_states)) << "grad_hidden_states differs run to run";
+  EXPECT_TRUE(bitwise_equal(grads.top_k_weights, again.top_k_weights)) << "grad_top_k_weights differs";
+  EXPECT_TRUE(bitwise_equal(grads.gate_up_proj, again.gate_up_proj)) << "grad_gate_up_proj differs";
+  EXPECT_TRUE(bitwise_equal(grads.down_proj, again.down_proj)) << "grad_down_proj differs";
+  EXPECT_TRUE(bitwise_equal(grads.gate_up_proj_bias, again.gate_up_proj_bias)) << "grad_gate_up_proj_bias differs";
+  EXPECT_TRUE(bitwise_equal(grads.down_proj_bias, again.down_proj_bias)) << "grad_down_proj_bias differs";
+}
+
+// The unquantised cases (FP8 / FP4 training is out of scope; BackwardRefusals checks that they are refused)
+// for the portable backends on each device; a device this machine lacks gets one skipping test per backend.
+std::vector<BackwardParam> backward_params(Device device) {
+  std::vector<BackwardParam> params;
+  for (const char* backend : {"eager", "batched_mm", "grouped_mm"}) {
+    if (device_skip_reason(backend, device)) {
+      params.push_back({backend, device, {"not_run_on_this_device", {}, {}}});
+      continue;
+    }
+    for (const HarnessCase& c : test::all_cases())
+      if (!c.options.config.quantization.quantized()) params.push_back({backend, device, c});
+  }
+  return params;
+}
+
+std::string backward_param_name(const ::testing::TestParamInfo<BackwardParam>& info) {
+  return info.param.backend + "__" + info.param.c.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, ExpertsBackwardHarness, ::testing::ValuesIn(backward_params(Device::cpu())),
+                         backward_param_name);
+INSTANTIATE_TEST_SUITE_P(Cuda, ExpertsBackwardHarness, ::testing::ValuesIn(backward_params(Device::cuda(0))),
+                         backward_param_name);
+
+// ---------------------------------------------------------------------------------------------------------
+// What has no backward says why; bad arguments are named
+
+ExpertsProblem small_problem(DType dtype = DType::f32, bool has_bias = false) {
+  RandomProblemOptions o;
+  o.tokens = 4;
+  o.hidden = 16;
+  o.intermediate = 8;
+  o.experts = 4;
+  o.top_k = 2;
+  o.dtype = dtype;
+  o.config.has_bias = has_bias;
+  return make_random_problem(o);
+}
+
+TEST(BackwardRefusals, QuantisedProblemsAreRefusedWithTheReason) {
+  RandomProblemOptions o;
+  o.hidden = 128;
+  o.intermediate = 128;
+  o.config.quantization.weights = WeightFormat::fp8_e4m3;
+  const ExpertsProblem p = make_random_problem(o);
+  const Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, DType::bf16);
+  for (const char* backend : {"eager", "batched_mm", "grouped_mm"}) {
+    const Support s = ExpertsInterface::global().get(backend).supports_backward(p);
+    EXPECT_FALSE(s.ok) << backend;
+    EXPECT_NE(s.reason.find("out of scope"), std::string::npos) << backend << ": " << s.reason;
+    EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, grad_out, backend); },
+                                        {backend, "cannot run the backward", "FP8 / FP4 training"}));
+  }
+}
+
+TEST(BackwardRefusals, BackendsWithoutABackwardSayWhy) {
+  const ExpertsProblem p = small_problem();
+  const Tensor grad_out = Tensor::empty({4, 16}, DType::f32);
+  test::registered_reference_backend();  // a user backend that does not override the backward
+  const Support s = test::registered_reference_backend().supports_backward(p);
+  EXPECT_FALSE(s.ok);
+  EXPECT_NE(s.reason.find("has no backward pass"), std::string::npos) << s.reason;
+  EXPECT_TRUE(test::throws_error_with(
+      [&] { experts_backward(p, grad_out, std::string(test::ReferenceBackend::kName)); }, {"has no backward pass"}));
+}
+
+TEST(BackwardArguments, GradOutMustMatchTheOutput) {
+  const ExpertsProblem p = small_problem();
+  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor::empty({4, 15}, DType::f32), "eager"); },
+                                      {"grad_out must be a contiguous f32[4, 16]"}));
+  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor::empty({4, 16}, DType::bf16), "eager"); },
+                                      {"grad_out", "bf16"}));
+  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor(), "eager"); }, {"grad_out", "undefined"}));
+}
+
+TEST(BackwardArguments, GivenGradientsAreCheckedAndWrittenInPlace) {
+  const ExpertsProblem p = small_problem();
+  const Tensor grad_out = Tensor::empty({4, 16}, DType::f32);
+  ExpertsGradients wrong;
+  wrong.down_proj = Tensor::empty({4, 8, 16}, DType::f32);  // transposed shape for an untransposed problem
+  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, grad_out, "eager", wrong); }, {"grad_down_proj"}));
+  ExpertsGradients bias;
+  bias.down_proj_bias = Tensor::empty({4, 16}, DType::f32);
+  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, grad_out, "eager", bias); }, {"without has_bias"}));
+
+  ExpertsGradients given = poisoned_gradients(p, Device::cpu());
+  void* where = given.gate_up_proj.data();
+  const ExpertsGradients out = experts_backward(p, grad_out, "grouped_mm", given);
+  EXPECT_EQ(out.gate_up_proj.data(), where) << "a given gradient is written where it is, not replaced";
+}
+
+TEST(BackwardArguments, UnknownBackendListsTheValidOnes) {
+  const ExpertsProblem p = small_problem();
+  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor::empty({4, 16}, DType::f32), "nope"); },
+                                      {"unknown experts backend 'nope'", "grouped_mm"}));
+}
+
+TEST(BackwardFlops, TwiceTheForward) {
+  ExpertsShape s;
+  s.tokens = 16;
+  s.hidden = 2048;
+  s.intermediate = 768;
+  s.top_k = 8;
+  EXPECT_DOUBLE_EQ(experts_backward_flops(s, true, 128), 12.0 * 128 * 2048 * 768);
+}
+
+}  // namespace
+}  // namespace moekit
