@@ -193,7 +193,7 @@ struct Comparison {
 };
 
 // Compares a CPU output [T, H] with the float64 reference (row-major [T, H]). A row's error is relative to its
-// own reference norm, or to row_norm_floor where that is larger (gradients, see test_experts_backward.cpp).
+// own reference norm, or to row_norm_floor where that is larger (gradients: compare_gradient_with_reference).
 inline Comparison compare_with_reference(const Tensor& out, const std::vector<double>& reference, Tolerance tol,
                                          double row_norm_floor = 0) {
   Comparison c;
@@ -253,6 +253,49 @@ inline Comparison compare_with_reference(const Tensor& out, const std::vector<do
   // zero-row check above covers it.
   c.overall_rel = ref_total > 0 ? std::sqrt(diff_total / ref_total) : 0.0;
   return c;
+}
+
+// A gradient as a CPU [rows, last dimension] f32 tensor, what compare_with_reference reads (row = token
+// for grad_hidden_states and grad_top_k_weights, one weight row or one expert's bias otherwise).
+inline Tensor as_rows(const Tensor& gradient) {
+  const Tensor host = gradient.to(Device::cpu());
+  const int64_t cols = host.shape().back();
+  const int64_t rows = cols > 0 ? host.numel() / cols : 0;
+  return tensor_of(values_of(host), {rows, cols});
+}
+
+// The reference rounded to the gradient's dtype: the best a gradient held in it can be (f16 flushes values
+// below 6e-8 to zero, so a weight-gradient row of such values is zero, not wrong).
+inline std::vector<double> rounded_to(const std::vector<double>& reference, DType dtype) {
+  std::vector<double> out(reference.size());
+  visit_float_dtype(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    for (std::size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<double>(to_float(from_float<T>(static_cast<float>(reference[i]))));
+  });
+  return out;
+}
+
+// A tenth of the RMS row norm of a reference gradient [rows, cols]: what each row's error is at least relative
+// to. Weight-gradient rows are sums over tokens whose net can be far smaller than their terms, so the row's own
+// norm overstates the float rounding of an exact sum of them; a wrong expert or token still shows as an error
+// the size of a whole typical row, far beyond the bound.
+inline double gradient_row_floor(const std::vector<double>& reference, int64_t cols) {
+  if (reference.empty() || cols == 0) return 0;
+  double sum = 0;
+  for (double v : reference) sum += v * v;
+  const double rows = static_cast<double>(reference.size()) / static_cast<double>(cols);
+  return 0.1 * std::sqrt(sum / rows);
+}
+
+// A gradient (any shape, any device) against its float64 reference (row-major in the same shape), with the
+// bounds of tol per row of its last dimension: the reference rounded to the gradient's dtype, each row's error
+// relative to at least gradient_row_floor.
+inline Comparison compare_gradient_with_reference(const Tensor& gradient, const std::vector<double>& reference,
+                                                  Tolerance tol) {
+  const Tensor rows = as_rows(gradient);
+  const std::vector<double> want = rounded_to(reference, gradient.dtype());
+  return compare_with_reference(rows, want, tol, gradient_row_floor(want, rows.size(1)));
 }
 
 // The three backends that DESIGN §2 requires to run every problem of the contract on every device they

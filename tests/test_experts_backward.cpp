@@ -223,39 +223,6 @@ ExpertsGradients poisoned_gradients(const ExpertsProblem& p, Device device) {
   return g;
 }
 
-// A gradient as a CPU [rows, last dimension] f32 tensor, what compare_with_reference reads (row = token
-// for grad_hidden_states and grad_top_k_weights, one weight row or one expert's bias otherwise).
-Tensor as_rows(const Tensor& gradient) {
-  const Tensor host = gradient.to(Device::cpu());
-  const int64_t cols = host.shape().back();
-  const int64_t rows = cols > 0 ? host.numel() / cols : 0;
-  return test::tensor_of(test::values_of(host), {rows, cols});
-}
-
-// The reference rounded to the gradient's dtype: the best a gradient held in it can be (f16 flushes values
-// below 6e-8 to zero, so a weight-gradient row of such values is zero, not wrong).
-std::vector<double> rounded_to(const std::vector<double>& reference, DType dtype) {
-  std::vector<double> out(reference.size());
-  visit_float_dtype(dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    for (std::size_t i = 0; i < out.size(); ++i)
-      out[i] = static_cast<double>(to_float(from_float<T>(static_cast<float>(reference[i]))));
-  });
-  return out;
-}
-
-// A tenth of the RMS row norm of a reference gradient [rows, cols]: what each row's error is at least relative
-// to. Weight-gradient rows are sums over tokens whose net can be far smaller than their terms, so the row's own
-// norm overstates the float rounding of an exact sum of them; a wrong expert or token still shows as an error
-// the size of a whole typical row, far beyond the bound.
-double row_norm_floor(const std::vector<double>& reference, int64_t cols) {
-  if (reference.empty() || cols == 0) return 0;
-  double sum = 0;
-  for (double v : reference) sum += v * v;
-  const double rows = static_cast<double>(reference.size()) / static_cast<double>(cols);
-  return 0.1 * std::sqrt(sum / rows);
-}
-
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined()) return a.defined() == b.defined();
   const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
@@ -304,9 +271,7 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
     all.push_back({"grad_down_proj_bias", &grads.down_proj_bias, &ref.down_proj_bias});
   }
   for (const Named& n : all) {
-    const Tensor rows = as_rows(*n.got);
-    const std::vector<double> want = rounded_to(*n.want, n.got->dtype());
-    const test::Comparison c = test::compare_with_reference(rows, want, tol, row_norm_floor(want, rows.size(1)));
+    const test::Comparison c = test::compare_gradient_with_reference(*n.got, *n.want, tol);
     EXPECT_TRUE(c.passed()) << n.name << ": " << c.summary() << "\n  " << where;
   }
 

@@ -556,6 +556,82 @@ INSTANTIATE_TEST_SUITE_P(CpuBackends, CliExperts,
                          testing::Combine(testing::ValuesIn(kCpuBackends), testing::ValuesIn(cli_cases())),
                          [](const auto& p) { return std::get<0>(p.param) + "_" + std::get<1>(p.param).name; });
 
+// `moekit experts --grad-output`: the gradients written beside `out`, under their inputs' names, each against
+// the float64 reference backward with the harness's bounds.
+class CliExpertsBackward : public testing::TestWithParam<std::tuple<std::string, CliCase>> {};
+
+TEST_P(CliExpertsBackward, GradientsMatchReference) {
+  const auto& [backend, c] = GetParam();
+  const fs::path dir = temp_dir();
+  const ExpertsProblem problem = make_random_problem(c.options);
+  save_safetensors(dir / "in.safetensors", problem_tensors(problem),
+                   c.write_metadata ? config_metadata(problem.config) : std::map<std::string, std::string>{});
+  Tensor grad_out = Tensor::empty({c.options.tokens, c.options.hidden}, DType::f32);
+  fill_uniform(grad_out, 1.0f, 99);
+  grad_out = grad_out.to(c.options.dtype);
+  save_safetensors(dir / "grad.safetensors", {{"grad_out", grad_out}}, {});
+
+  const CliResult r = run_cli("experts --input '" + (dir / "in.safetensors").string() + "' --grad-output '" +
+                                  (dir / "grad.safetensors").string() + "' --backend " + backend + " --output '" +
+                                  (dir / "out.safetensors").string() + "'",
+                              dir);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("forward+backward"), std::string::npos) << r.output;
+
+  const ReferenceGradients ref = experts_reference_backward(problem, grad_out);
+  const bool gate = c.options.config.has_gate;
+  std::vector<std::pair<std::string, const std::vector<double>*>> expected = {
+      {"grad_hidden_states", &ref.hidden_states},
+      {"grad_top_k_weights", &ref.top_k_weights},
+      {gate ? "grad_gate_up_proj" : "grad_up_proj", &ref.gate_up_proj},
+      {"grad_down_proj", &ref.down_proj}};
+  if (c.options.config.has_bias) {
+    expected.emplace_back(gate ? "grad_gate_up_proj_bias" : "grad_up_proj_bias", &ref.gate_up_proj_bias);
+    expected.emplace_back("grad_down_proj_bias", &ref.down_proj_bias);
+  }
+  const SafetensorsFile out_file((dir / "out.safetensors").string());
+  EXPECT_EQ(out_file.names().size(), expected.size() + 1) << "out and one tensor per gradient";
+  ASSERT_TRUE(out_file.contains("out"));
+  for (const auto& [name, want] : expected) {
+    ASSERT_TRUE(out_file.contains(name)) << name;
+    const test::Comparison cmp =
+        test::compare_gradient_with_reference(out_file.tensor(name), *want, test::tolerance_for(c.options.dtype));
+    EXPECT_TRUE(cmp.passed()) << name << ": " << cmp.summary();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(CpuBackends, CliExpertsBackward,
+                         testing::Combine(testing::ValuesIn(kCpuBackends), testing::ValuesIn(cli_cases())),
+                         [](const auto& p) { return std::get<0>(p.param) + "_" + std::get<1>(p.param).name; });
+
+TEST(CliExpertsBackwardInput, GradOutFileIsChecked) {
+  const fs::path dir = temp_dir();
+  RandomProblemOptions o;
+  o.tokens = 3;
+  o.hidden = 16;
+  o.intermediate = 8;
+  o.experts = 4;
+  const ExpertsProblem problem = make_random_problem(o);
+  save_safetensors(dir / "in.safetensors", problem_tensors(problem), {});
+  auto run = [&](const std::vector<std::pair<std::string, Tensor>>& grad_tensors) {
+    save_safetensors(dir / "grad.safetensors", grad_tensors, {});
+    return run_cli("experts --input '" + (dir / "in.safetensors").string() + "' --grad-output '" +
+                       (dir / "grad.safetensors").string() + "' --backend grouped_mm --output '" +
+                       (dir / "out.safetensors").string() + "'",
+                   dir);
+  };
+  CliResult r = run({{"grad_out", Tensor::zeros({3, 15}, DType::bf16)}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("grad_out must be bf16[3, 16]"), std::string::npos) << r.output;
+  r = run({{"grad_out", Tensor::zeros({3, 16}, DType::bf16)}, {"extra", Tensor::zeros({1}, DType::f32)}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("unexpected tensor 'extra'"), std::string::npos) << r.output;
+  r = run({{"gradient", Tensor::zeros({3, 16}, DType::bf16)}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("unexpected tensor 'gradient'"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out.safetensors"));
+}
+
 // Input errors are reported (naming the key or tensor) before any backend runs.
 class CliExpertsInput : public testing::Test {
  protected:

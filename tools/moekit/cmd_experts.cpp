@@ -1,4 +1,5 @@
-// moekit experts: runs one experts call on the tensors of a safetensors file and writes `out` [T, H].
+// moekit experts: runs one experts call on the tensors of a safetensors file and writes `out` [T, H]; with
+// --grad-output (a file holding grad_out [T, H]) also its backward, and writes the gradients beside `out`.
 // The layer configuration comes from the file's __metadata__; anything the tool would otherwise have to
 // guess (an unknown key, a bias without has_bias, a stray tensor) is an error rather than ignored, so
 // that a file never runs with a configuration other than the one its writer meant.
@@ -138,10 +139,41 @@ ExpertsProblem load_problem(const SafetensorsFile& file) {
 
 struct ExpertsFlags {
   std::string input;
+  std::string grad_output;
   std::string backend;
   std::string device = "cpu";
   std::string output;
 };
+
+// grad_out from its file: exactly one tensor, grad_out, shaped and typed as the layer's output.
+Tensor load_grad_out(const std::string& path, const ExpertsProblem& problem, const ExpertsShape& shape) {
+  const SafetensorsFile file(path);
+  for (const std::string& name : file.names())
+    MOEKIT_CHECK(name == "grad_out", file.path(), ": unexpected tensor '", name,
+                 "'; a --grad-output file holds exactly one tensor, grad_out");
+  MOEKIT_CHECK(file.contains("grad_out"), file.path(), ": missing tensor 'grad_out' (the gradient of out)");
+  Tensor g = file.tensor("grad_out");
+  const Shape want{shape.tokens, shape.hidden};
+  MOEKIT_CHECK(g.shape() == want && g.dtype() == problem.hidden_states.dtype(), file.path(),
+               ": grad_out must be ", dtype_name(problem.hidden_states.dtype()), shape_string(want),
+               " (the dtype and shape of out), got ", g.describe());
+  return g;
+}
+
+// The gradients under the names of the inputs they belong to (DESIGN §2b), on the CPU.
+std::vector<std::pair<std::string, Tensor>> gradient_tensors(const ExpertsProblem& p, const ExpertsGradients& g) {
+  const bool gate = p.config.has_gate;
+  std::vector<std::pair<std::string, Tensor>> t = {{"grad_hidden_states", g.hidden_states},
+                                                   {"grad_top_k_weights", g.top_k_weights},
+                                                   {gate ? "grad_gate_up_proj" : "grad_up_proj", g.gate_up_proj},
+                                                   {"grad_down_proj", g.down_proj}};
+  if (p.config.has_bias) {
+    t.emplace_back(gate ? "grad_gate_up_proj_bias" : "grad_up_proj_bias", g.gate_up_proj_bias);
+    t.emplace_back("grad_down_proj_bias", g.down_proj_bias);
+  }
+  for (auto& [name, tensor] : t) tensor = tensor.to(Device::cpu());
+  return t;
+}
 
 void run_experts(const ExpertsFlags& flags) {
   // Checked first so that a misspelt name is reported with the valid ones before any file is read.
@@ -152,7 +184,14 @@ void run_experts(const ExpertsFlags& flags) {
   ExpertsProblem problem = load_problem(file);
   const ExpertsShape shape = validate(problem);
   check_routing_ids(problem);
+  const bool backward = !flags.grad_output.empty();
+  Tensor grad_out = backward ? load_grad_out(flags.grad_output, problem, shape) : Tensor();
+  if (backward) {  // before any work, as for the forward
+    const Support s = ExpertsInterface::global().get(flags.backend).supports_backward(problem);
+    MOEKIT_CHECK(s.ok, "experts backend '", flags.backend, "' cannot run the backward of this problem: ", s.reason);
+  }
   if (!device.is_cpu()) {
+    if (backward) grad_out = grad_out.to(device);
     for (Tensor* t : {&problem.hidden_states, &problem.top_k_index, &problem.top_k_weights, &problem.gate_up_proj,
                       &problem.down_proj, &problem.gate_up_proj_bias, &problem.down_proj_bias})
       if (t->defined()) *t = t->to(device);
@@ -160,17 +199,21 @@ void run_experts(const ExpertsFlags& flags) {
 
   const auto start = std::chrono::steady_clock::now();
   const Tensor out = experts_forward(problem, flags.backend);
+  ExpertsGradients grads;
+  if (backward) grads = experts_backward(problem, grad_out, flags.backend);
   synchronize(device);  // on a GPU the call returns before its work is done
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-  const Tensor out_host = out.to(Device::cpu());
 
-  save_safetensors(flags.output, {{"out", out_host}}, {{"backend", flags.backend}});
+  std::vector<std::pair<std::string, Tensor>> tensors = {{"out", out.to(Device::cpu())}};
+  if (backward)
+    for (auto& named : gradient_tensors(problem, grads)) tensors.push_back(std::move(named));
+  save_safetensors(flags.output, tensors, {{"backend", flags.backend}});
   std::printf(
-      "experts: backend=%s device=%s T=%lld H=%lld I=%lld E=%lld K=%lld dtype=%s time=%.3f ms (one cold call)\n",
+      "experts: backend=%s device=%s T=%lld H=%lld I=%lld E=%lld K=%lld dtype=%s %s time=%.3f ms (one cold call)\n",
       flags.backend.c_str(), device_name(device).c_str(), static_cast<long long>(shape.tokens),
       static_cast<long long>(shape.hidden), static_cast<long long>(shape.intermediate),
       static_cast<long long>(shape.experts), static_cast<long long>(shape.top_k),
-      std::string(dtype_name(problem.hidden_states.dtype())).c_str(), ms);
+      std::string(dtype_name(problem.hidden_states.dtype())).c_str(), backward ? "forward+backward" : "forward", ms);
 }
 
 }  // namespace
@@ -180,12 +223,16 @@ void add_experts_command(CLI::App& app) {
       "experts",
       "Run one experts call on the tensors of a safetensors file (hidden_states, top_k_index, top_k_weights, "
       "gate_up_proj or up_proj, down_proj, optional biases; configuration in __metadata__: activation, "
-      "is_transposed, is_concatenated, has_gate, has_bias, swiglu_alpha, swiglu_limit) and write `out` [T, H]");
+      "is_transposed, is_concatenated, has_gate, has_bias, swiglu_alpha, swiglu_limit) and write `out` [T, H]; "
+      "with --grad-output also its backward");
   auto flags = std::make_shared<ExpertsFlags>();
   cmd->add_option("--input", flags->input, "Input safetensors file")->required();
+  cmd->add_option("--grad-output", flags->grad_output,
+                  "Safetensors file holding grad_out [T, H]: also run the backward and write grad_hidden_states, "
+                  "grad_top_k_weights, grad_gate_up_proj (grad_up_proj), grad_down_proj and the bias gradients");
   cmd->add_option("--backend", flags->backend, "Experts backend (see `moekit backends`)")->required();
   cmd->add_option("--device", flags->device, "Device to run on: cpu, cuda or cuda:N")->capture_default_str();
-  cmd->add_option("--output", flags->output, "Output safetensors file; gets one tensor, out")->required();
+  cmd->add_option("--output", flags->output, "Output safetensors file; gets out (and the gradients)")->required();
   cmd->callback([flags] { run_experts(*flags); });
 }
 
