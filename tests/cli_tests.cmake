@@ -132,6 +132,20 @@ foreach(weights fp8 fp8-ue8m0 fp4)
                     --json ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_${weights}.json
                     --plot ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_${weights}.svg)
 endforeach()
+# Forward + backward in the benchmark: every CPU backend times it; quantised weights are skipped with the reason.
+add_cli_test(cli_bench_backward EXPECT success
+             PATTERNS "--backward" "call GB" "custom +1  batched_mm +[0-9.]+ " "custom +16  grouped_mm +[0-9.]+ "
+                      "custom +16  eager +[0-9.]+ "
+             ARGS bench --shape custom --hidden 256 --intermediate 96 --experts 8 --top-k 2 --tokens 1,16 --backward
+                  --repeats 2 --warmup 1 --memory-bandwidth-gbs 10
+                  --json ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_backward.json
+                  --plot ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_backward.svg)
+add_cli_test(cli_bench_backward_quantised EXPECT success
+             PATTERNS "custom +16  grouped_mm +skipped: quantised experts .* have no backward: FP8 / FP4 training is out of scope"
+             ARGS bench --shape custom --hidden 256 --intermediate 128 --experts 8 --top-k 2 --tokens 16 --backward
+                  --weights fp8 --backends grouped_mm --repeats 2 --warmup 1 --memory-bandwidth-gbs 10
+                  --json ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_backward_fp8.json
+                  --plot ${CMAKE_CURRENT_BINARY_DIR}/cli_bench_backward_fp8.svg)
 add_cli_test(cli_bench_weights_unknown EXPECT failure PATTERNS "--weights" "int4"
              ARGS bench --weights int4)
 # A sweep that measured less than was asked exits non-zero, with the reason; sizes whose product leaves

@@ -101,6 +101,7 @@ nlohmann::ordered_json row_to_json(const BenchRow& row) {
     j["floor_percent"] = floor_percent(row);
     j["speedup_vs_best"] = row.speedup_vs_best;
     j["workspace_bytes"] = row.workspace_bytes;
+    j["call_memory_bytes"] = row.call_memory_bytes;
     j["rss_gb"] = row.rss_gb;
   }
   j["routed_pairs"] = row.routed_pairs;
@@ -305,8 +306,8 @@ TablePrinter::TablePrinter(std::FILE* out, FlopUnit unit, std::size_t shape_widt
       backend_width_(static_cast<int>(std::max<std::size_t>(backend_width, 7))) {}
 
 void TablePrinter::print_header() const {
-  std::fprintf(out_, "%-*s %6s  %-*s %10s %9s %8s %8s %8s %5s\n", shape_width_, "shape", "tokens", backend_width_,
-               "backend", "ms", unit_.name.c_str(), "GB/s", "% floor", "vs best", "runs");
+  std::fprintf(out_, "%-*s %6s  %-*s %10s %9s %8s %8s %8s %5s %8s\n", shape_width_, "shape", "tokens", backend_width_,
+               "backend", "ms", unit_.name.c_str(), "GB/s", "% floor", "vs best", "runs", "call GB");
   std::fflush(out_);
 }
 
@@ -315,9 +316,10 @@ void TablePrinter::print_rows(const std::vector<BenchRow>& rows) const {
     std::fprintf(out_, "%-*s %6lld  %-*s ", shape_width_, r.shape.c_str(), static_cast<long long>(r.tokens),
                  backend_width_, r.backend.c_str());
     if (r.status == RowStatus::ok) {
-      std::fprintf(out_, "%10s %9s %8s %8s %8s %5d\n", format_number(r.median_ms).c_str(),
+      std::fprintf(out_, "%10s %9s %8s %8s %8s %5d %8s\n", format_number(r.median_ms).c_str(),
                    format_number(flop_rate(r, unit_)).c_str(), format_number(floor_gbs(r)).c_str(),
-                   format_number(floor_percent(r)).c_str(), format_ratio(r.speedup_vs_best).c_str(), r.runs);
+                   format_number(floor_percent(r)).c_str(), format_ratio(r.speedup_vs_best).c_str(), r.runs,
+                   format_number(r.call_memory_bytes / 1e9).c_str());
     } else {
       std::fprintf(out_, "%s: %s\n", status_name(r.status), r.reason.c_str());
     }

@@ -46,6 +46,9 @@ struct BenchRow {
   double floor_bytes = 0;  // touched experts' weights + hidden states in and out
   double floor_ms = 0;     // floor_bytes over the memory bandwidth
   std::size_t workspace_bytes = 0;
+  // What one call holds beyond its inputs: out and the workspace, and with --backward the gradients and the
+  // backward's workspace (nothing is saved between the two: the backward recomputes what it needs).
+  double call_memory_bytes = 0;
   double rss_gb = 0;  // resident memory of the process after the case
 
   double speedup_vs_best = 0;  // best median / this median within the (shape, tokens) group; 1 for the best

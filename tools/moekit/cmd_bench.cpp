@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "moekit/bench_machine.h"
 #include "moekit/bench_presets.h"
 #include "moekit/bench_report.h"
 #include "moekit/checked_math.h"
@@ -56,6 +57,7 @@ struct BenchOptions {
   double memory_bandwidth_gbs = 0;
   double max_memory_gb = 0;
   bool graphs = false;
+  bool backward = false;
 };
 
 // Adaptive repeats: this many runs make a stable median for fast cases...
@@ -71,104 +73,6 @@ struct BenchCommand {
   CLI::App* cmd = nullptr;
   std::unique_ptr<FlagTable> flags;
 };
-
-// --- Machine facts -------------------------------------------------------------------------------------
-
-// The value of "key: value" lines in /proc files; empty when missing (not Linux, or no such key).
-std::string proc_field(const char* file, const std::string& key) {
-  std::ifstream in(file);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.compare(0, key.size(), key) != 0) continue;
-    const auto colon = line.find(':');
-    if (colon == std::string::npos) continue;
-    const auto start = line.find_first_not_of(" \t", colon + 1);
-    return start == std::string::npos ? std::string() : line.substr(start);
-  }
-  return {};
-}
-
-// "/proc/... kB" fields in bytes; 0 when unknown.
-double proc_kb_field_bytes(const char* file, const std::string& key) {
-  const std::string v = proc_field(file, key);
-  return v.empty() ? 0.0 : std::atof(v.c_str()) * 1024.0;
-}
-
-// The 1-minute load average; other processes competing for the cores inflate every time measured.
-double load_average() {
-  std::ifstream in("/proc/loadavg");
-  double load = 0;
-  in >> load;
-  return load;
-}
-
-// Resolved defaults are printed as flags that repeat the run; a tenth is all the precision they carry.
-double round_to_tenth(double v) {
-  return std::round(v * 10.0) / 10.0;
-}
-
-unsigned hardware_threads() {
-  return std::max(1u, std::thread::hardware_concurrency());
-}
-
-// DRAM copy bandwidth with every hardware thread copying its share, as the backends use every thread.
-double measure_copy_bandwidth_gbs() {
-  // 256 MiB per buffer is far beyond any last-level cache, so this measures memory, not cache.
-  constexpr std::size_t kBytes = std::size_t{256} << 20;
-  std::vector<char> src(kBytes, 1), dst(kBytes, 0);  // written here so page faults stay out of the timing
-  const unsigned threads = hardware_threads();
-  const std::size_t chunk = kBytes / threads;
-  double best_s = std::numeric_limits<double>::infinity();
-  for (int rep = 0; rep < 5; ++rep) {
-    const auto t0 = Clock::now();
-    std::vector<std::thread> pool;
-    for (unsigned i = 0; i < threads; ++i) {
-      const std::size_t begin = i * chunk, size = i + 1 == threads ? kBytes - begin : chunk;
-      pool.emplace_back([&, begin, size] { std::memcpy(dst.data() + begin, src.data() + begin, size); });
-    }
-    for (auto& t : pool) t.join();
-    best_s = std::min(best_s, std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  // A copy reads and writes every byte; counting both is the STREAM convention behind DESIGN §7's figures.
-  return 2.0 * static_cast<double>(kBytes) / best_s / 1e9;
-}
-
-std::string utc_timestamp() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-// Device copy bandwidth: a 2 GiB device-to-device copy timed with events, read + write bytes counted.
-double measure_device_copy_bandwidth_gbs(const DeviceStream& stream) {
-  const int64_t bytes = int64_t{1} << 31;
-  Tensor src = Tensor::zeros({bytes}, DType::u8, stream.device());
-  Tensor dst = Tensor::empty({bytes}, DType::u8, stream.device());
-  synchronize(stream.device());
-  DeviceTimer timer(stream);
-  double best_ms = 1e30;
-  for (int i = 0; i < 10; ++i) {
-    timer.start();
-    copy_into(dst, src, stream);
-    timer.stop();
-    best_ms = std::min(best_ms, timer.elapsed_ms());
-  }
-  return 2.0 * static_cast<double>(bytes) / (best_ms * 1e-3) / 1e9;
-}
-
-// Decimal units, as memory budgets and bandwidths are quoted.
-std::string gb(double bytes) {
-  char buf[32];
-  if (bytes < 1e9) {
-    std::snprintf(buf, sizeof(buf), "%.3g MB", bytes / 1e6);
-  } else {
-    std::snprintf(buf, sizeof(buf), bytes >= 10e9 ? "%.1f GB" : "%.2f GB", bytes / 1e9);
-  }
-  return buf;
-}
 
 // --- Progress --------------------------------------------------------------------------------------------
 
@@ -525,7 +429,7 @@ Sweep::Sweep(BenchCommand& state)
   report_.machine["started_utc"] = utc_timestamp();
   report_.unit = device_.is_cpu() ? FlopUnit{"GFLOP/s", 1e9} : FlopUnit{"TFLOP/s", 1e12};
   report_.title =
-      "moekit bench: " +
+      std::string(o_.backward ? "moekit bench (forward + backward): " : "moekit bench: ") +
       (weights_.format == WeightFormat::none ? o_.dtype : o_.weights + " weights, " + o_.dtype + " activations") +
       " on " + device_name(device_) + " (" + (cpu_model.empty() ? "unknown cpu" : cpu_model) + ", " +
       std::to_string(hardware_threads()) + " threads)";
@@ -665,6 +569,7 @@ BenchRow Sweep::case_row(const BenchShape& shape, const ExpertsProblem& problem,
   row.routed_pairs = pairs;
   row.experts_touched = touched;
   row.flops = experts_flops(sizes, problem.config.has_gate, pairs);
+  if (o_.backward) row.flops += experts_backward_flops(sizes, problem.config.has_gate, pairs);
   // DESIGN §7's floor: every touched expert's weights read once (quantised: their stored bytes and scales),
   // hidden states read and output written once.
   auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<double>(t.nbytes()) : 0.0; };
@@ -673,6 +578,10 @@ BenchRow Sweep::case_row(const BenchShape& shape, const ExpertsProblem& problem,
                               static_cast<double>(sizes.experts);
   const double row_bytes = static_cast<double>(sizes.hidden) * static_cast<double>(dtype_size(dtype_));
   row.floor_bytes = static_cast<double>(touched) * expert_bytes + static_cast<double>(sizes.tokens) * row_bytes * 2.0;
+  // Forward + backward: each touched expert's weights read by both and its gradients written once; x read by
+  // both, out written, grad_out read and grad_x written.
+  if (o_.backward)
+    row.floor_bytes = 3.0 * static_cast<double>(touched) * expert_bytes + static_cast<double>(sizes.tokens) * row_bytes * 5.0;
   row.floor_ms = row.floor_bytes / (o_.memory_bandwidth_gbs * 1e9) * 1e3;
   return row;
 }
@@ -681,16 +590,26 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
   ExpertsBackend& backend = ExpertsInterface::global().get(name);
   Support support = backend.supports_device(device_);
   if (support) support = backend.supports(problem);
+  if (support && o_.backward) support = backend.supports_backward(problem);
   if (!support) {
     row.status = RowStatus::skipped;
     row.reason = support.reason;
     return;
   }
   row.workspace_bytes = backend.workspace_bytes(problem);
-  const double total = resident_bytes + static_cast<double>(row.workspace_bytes);
+  const std::size_t backward_workspace = o_.backward ? backend.backward_workspace_bytes(problem) : 0;
+  auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<double>(t.nbytes()) : 0.0; };
+  const double out_bytes = static_cast<double>(row.tokens * problem.hidden_states.size(1)) * dtype_size(dtype_);
+  const double gradient_bytes = o_.backward ? out_bytes * 2 + bytes(problem.top_k_weights) + bytes(problem.gate_up_proj) +
+                                                  bytes(problem.down_proj) + bytes(problem.gate_up_proj_bias) +
+                                                  bytes(problem.down_proj_bias)
+                                            : 0.0;  // grad_out and the gradients
+  row.call_memory_bytes =
+      out_bytes + static_cast<double>(row.workspace_bytes) + static_cast<double>(backward_workspace) + gradient_bytes;
+  const double total = resident_bytes + row.call_memory_bytes;
   if (total > budget_bytes_) {
     row.status = RowStatus::skipped;
-    row.reason = "needs " + gb(static_cast<double>(row.workspace_bytes)) + " of workspace, " + gb(total) +
+    row.reason = "needs " + gb(row.call_memory_bytes) + " for out, workspace and gradients, " + gb(total) +
                  " in all, more than the " + gb(budget_bytes_) + " available (--max-memory-gb)";
     return;
   }
@@ -704,11 +623,24 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
     // The workspace is allocated once, outside the timed region, as a serving loop would.
     Tensor workspace =
         Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(row.workspace_bytes, 1))}, DType::u8, device_);
+    // With --backward, grad_out, the gradients and the backward's workspace too, allocated once.
+    Tensor grad_out, backward_workspace_tensor;
+    ExpertsGradients grads;
+    if (o_.backward) {
+      grad_out = Tensor::empty(out.shape(), DType::f32);
+      fill_uniform(grad_out, 1.0f, o_.seed + 17);
+      grad_out = grad_out.to(dtype_).to(device_);
+      grads = experts_backward(problem, grad_out, name, ExpertsGradients(), stream_->stream());  // allocates them
+      backward_workspace_tensor =
+          Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(backward_workspace, 1))}, DType::u8, device_);
+    }
+    const auto call = [&] {
+      experts_forward(problem, name, out, stream_->stream(), workspace);
+      if (o_.backward) experts_backward(problem, grad_out, name, grads, stream_->stream(), backward_workspace_tensor);
+    };
     DeviceTimer timer(*stream_);
     std::unique_ptr<CapturedGraph> graph;
-    if (o_.graphs)
-      graph = std::make_unique<CapturedGraph>(
-          *stream_, [&] { experts_forward(problem, name, out, stream_->stream(), workspace); });
+    if (o_.graphs) graph = std::make_unique<CapturedGraph>(*stream_, call);
     // On a GPU, the host's part of each call too: what it takes to enqueue the call's work. Each timed call starts
     // on an idle GPU, so where this approaches the call's time the kernels wait for their launches.
     std::vector<double> host_ms;
@@ -718,7 +650,7 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
       if (graph)
         graph->replay();
       else
-        experts_forward(problem, name, out, stream_->stream(), workspace);
+        call();
       host_ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - enqueue_start).count());
       timer.stop();
@@ -795,6 +727,10 @@ void add_bench_command(CLI::App& app) {
   f.add("--graphs", o.graphs,
         "Capture each call in a CUDA graph once and time its replays (launch gaps gone; CUDA only; eager "
         "cannot be captured)");
+  f.add("--backward", o.backward,
+        "Time forward + backward (DESIGN §2b) per call: FLOPs 18·pairs·H·I gated (6 forward, 12 backward); the floor "
+        "reads the touched weights twice and writes their gradients; call GB adds the gradients and the backward's "
+        "workspace");
   f.add("--memory-bandwidth-gbs", o.memory_bandwidth_gbs,
         "Memory bandwidth for the floor, GB/s; 0 = measure with a large multi-threaded memcpy at start")
       ->check(at_least(0));
