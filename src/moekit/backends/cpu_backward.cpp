@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <numeric>
 
 #include "moekit/backends/cpu_expert_rows.h"
@@ -61,8 +60,15 @@ ActivationStep activation_step(const ExpertsConfig& c, float gate, float up) {
   return {a * up, da * up, a};
 }
 
-// The buffers of the backward carved from one workspace, each 64-byte aligned, for every routed pair
-// (at most T * K rows): sorted inputs x and grad_out rows d in the gemm dtype; z (then dz) and g in float;
+// Rows per product: an expert's row count above 8 rounded up to a multiple of 16 (zero rows), so that only a
+// few product shapes are ever created: oneDNN products are created once per shape and kept, and the row
+// counts change with every batch's routing.
+int64_t padded_rows(int64_t n) {
+  return n <= 8 ? n : (n + 15) / 16 * 16;
+}
+
+// The buffers of the backward carved from one workspace, each 64-byte aligned, for every routed pair and the
+// zero rows that pad each expert's (at most T * K + 15 E rows): sorted inputs x and grad_out rows d in the gemm dtype; z (then dz) and g in float;
 // dz and w * act(z) in the gemm dtype; dx in float; one expert's transposed left operand in the gemm dtype;
 // one expert's weight gradients in float; with weights oneDNN cannot read in place (f16), one expert's
 // weights converted.
@@ -75,7 +81,7 @@ struct BackwardBuffers {
 
   explicit BackwardBuffers(const ExpertsProblem& p) {
     const ExpertsShape s = validate(p);
-    rows = s.tokens * s.top_k;
+    rows = s.tokens * s.top_k + 15 * s.experts;
     H = s.hidden;
     I = s.intermediate;
     N = p.config.has_gate ? 2 * I : I;
@@ -101,12 +107,23 @@ struct BackwardBuffers {
   char* at(void* workspace, int i) const { return static_cast<char*>(workspace) + offsets[i]; }
 };
 
-// dst [cols, rows] (gemm dtype) = src [rows, cols] (gemm dtype, row stride ld) transposed.
-void transpose_rows(const char* src, int64_t ld, int64_t rows, int64_t cols, std::size_t g, char* dst) {
+// dst [cols, rows] = src [rows, cols] (row stride ld) transposed, in the gemm dtype; in 32 x 32 blocks so
+// that both sides are read and written a cache line at a time.
+template <typename T>
+void transpose_block_rows(const T* src, int64_t ld, int64_t rows, int64_t cols, T* dst) {
+  constexpr int64_t kBlock = 32;
 #pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(dst + static_cast<std::size_t>(c * rows + r) * g, src + static_cast<std::size_t>(r * ld + c) * g, g);
+  for (int64_t c0 = 0; c0 < cols; c0 += kBlock)
+    for (int64_t r0 = 0; r0 < rows; r0 += kBlock)
+      for (int64_t c = c0; c < std::min(c0 + kBlock, cols); ++c)
+        for (int64_t r = r0; r < std::min(r0 + kBlock, rows); ++r) dst[c * rows + r] = src[r * ld + c];
+}
+
+void transpose_rows(const char* src, int64_t ld, int64_t rows, int64_t cols, GemmDType gemm, char* dst) {
+  if (gemm == GemmDType::bf16)
+    transpose_block_rows(reinterpret_cast<const uint16_t*>(src), ld, rows, cols, reinterpret_cast<uint16_t*>(dst));
+  else
+    transpose_block_rows(reinterpret_cast<const float*>(src), ld, rows, cols, reinterpret_cast<float*>(dst));
 }
 
 void store_gemm(float v, GemmDType gemm, char* dst, int64_t i) {
@@ -164,9 +181,29 @@ void sorted_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGra
   auto* dw = reinterpret_cast<float*>(b.at(workspace, 8));
   char* converted = b.at(workspace, 9);
 
+  // Expert e's rows start at row padded_first[e] of the buffers, padded_rows of them, the last ones zero.
+  const int64_t E = layout.experts;
+  std::vector<int64_t> padded_first(static_cast<std::size_t>(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) padded_first[e + 1] = padded_first[e] + padded_rows(routing.rows_of(e));
+  std::vector<int64_t> padded_token(static_cast<std::size_t>(padded_first[E]), 0), buffer_row(routing.row_token.size());
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < routing.rows_of(e); ++i) {
+      padded_token[padded_first[e] + i] = routing.row_token[routing.offsets[e] + i];
+      buffer_row[routing.offsets[e] + i] = padded_first[e] + i;
+    }
   const ActivationQuantization no_quantization(p);  // unquantised problems only: disabled
-  gather_rows(p.hidden_states, routing.row_token, gemm, x, no_quantization);
-  gather_rows(grad_out, routing.row_token, gemm, d, no_quantization);
+  gather_rows(p.hidden_states, padded_token, gemm, x, no_quantization);
+  gather_rows(grad_out, padded_token, gemm, d, no_quantization);
+  // Zero rows past each expert's last: the products over rows (the weight gradients) then add nothing for them.
+  auto zero_pad_rows = [&](char* rows, int64_t width, int64_t e) {
+    const int64_t real = padded_first[e] + routing.rows_of(e);
+    std::fill(rows + static_cast<std::size_t>(real * width) * g,
+              rows + static_cast<std::size_t>(padded_first[e + 1] * width) * g, char(0));
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    zero_pad_rows(x, H, e);
+    zero_pad_rows(d, H, e);
+  }
   std::vector<int64_t> all_up(static_cast<std::size_t>(N)), all_down(static_cast<std::size_t>(H));
   std::iota(all_up.begin(), all_up.end(), 0);
   std::iota(all_down.begin(), all_down.end(), 0);
@@ -183,8 +220,9 @@ void sorted_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGra
       return gemm == GemmDType::bf16 ? to_float(reinterpret_cast<const bf16*>(rows)[i])
                                      : reinterpret_cast<const float*>(rows)[i];
     };
-    for (int64_t e = 0; e < layout.experts; ++e) {
+    for (int64_t e = 0; e < E; ++e) {
       const int64_t first = routing.offsets[e], n = routing.rows_of(e);
+      const int64_t pf = padded_first[e], np = padded_rows(n);  // the expert's rows in the buffers
       MatrixView up = layout.up_matrix(e), down = layout.down_matrix(e);
       const MatrixView up_in_grad = up, down_in_grad = down;  // where this expert's gradients go
       if (n == 0) {  // no token: zero gradients
@@ -206,19 +244,19 @@ void sorted_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGra
         up = {converted, H, 1, g};
         down = {down_rows, I, 1, g};
       }
-      const char* xe = x + static_cast<std::size_t>(first * H) * g;
-      const char* de = d + static_cast<std::size_t>(first * H) * g;
-      float* ze = z + first * N;
-      float* ge = gd + first * I;
-      char* dze = dz + static_cast<std::size_t>(first * N) * g;
-      char* awe = aw + static_cast<std::size_t>(first * I) * g;
+      const char* xe = x + static_cast<std::size_t>(pf * H) * g;
+      const char* de = d + static_cast<std::size_t>(pf * H) * g;
+      float* ze = z + pf * N;
+      float* ge = gd + pf * I;
+      char* dze = dz + static_cast<std::size_t>(pf * N) * g;
+      char* awe = aw + static_cast<std::size_t>(pf * I) * g;
       if (layout.has_bias) {
         std::fill(b2.begin(), b2.end(), 0.0f);
         add_bias(layout.down_bias, e, 0, H, b2.data());
       }
       // Z = X W1^T, G = D W2.
-      matmul_strided(xe, H, n, up.base, H, N, up.stride_in, up.stride_out, gemm, ze, N);
-      matmul_strided(de, H, n, down.base, H, I, down.stride_out, down.stride_in, gemm, ge, I);
+      matmul_strided(xe, H, np, up.base, H, N, up.stride_in, up.stride_out, gemm, ze, N);
+      matmul_strided(de, H, np, down.base, H, I, down.stride_out, down.stride_in, gemm, ge, I);
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < n; ++r) {
         const int64_t pair = routing.row_pair[static_cast<std::size_t>(first + r)];
@@ -243,16 +281,18 @@ void sorted_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGra
           for (int64_t h = 0; h < H; ++h) d_weight += static_cast<double>(grad_value(de, r * H + h)) * b2[static_cast<std::size_t>(h)];
         grad_weight[pair] = from_float<RW>(static_cast<float>(d_weight));
       }
+      zero_pad_rows(dz, N, e);
+      zero_pad_rows(aw, I, e);
       // dW2 = D^T (w act(Z)) [H, I].
-      transpose_rows(de, H, n, H, g, transposed);
-      matmul_strided(transposed, n, H, awe, n, I, I, 1, gemm, dw, I);
+      transpose_rows(de, H, np, H, gemm, transposed);
+      matmul_strided(transposed, np, H, awe, np, I, I, 1, gemm, dw, I);
       store_weight_gradient(dw, H, I, down_in_grad, p.down_proj, grads.down_proj);
       // dW1 = dZ^T X [N, H].
-      transpose_rows(dze, N, n, N, g, transposed);
-      matmul_strided(transposed, n, N, xe, n, H, H, 1, gemm, dw, H);
+      transpose_rows(dze, N, np, N, gemm, transposed);
+      matmul_strided(transposed, np, N, xe, np, H, H, 1, gemm, dw, H);
       store_weight_gradient(dw, N, H, up_in_grad, p.gate_up_proj, grads.gate_up_proj);
       // dX = dZ W1 [n, H].
-      matmul_strided(dze, N, n, up.base, N, H, up.stride_out, up.stride_in, gemm, dx + first * H, H);
+      matmul_strided(dze, N, np, up.base, N, H, up.stride_out, up.stride_in, gemm, dx + pf * H, H);
       if (layout.has_bias) {  // in row order: db1 = sum_r dz, db2 = sum_r w D
         std::fill(db1.begin(), db1.end(), 0.0f);
         std::fill(db2.begin(), db2.end(), 0.0f);
@@ -282,7 +322,7 @@ void sorted_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGra
         for (int64_t k = 0; k < K; ++k) {
           const int64_t row = routing.pair_row[static_cast<std::size_t>(t * K + k)];
           if (row < 0) continue;
-          const float* dr = dx + row * H;
+          const float* dr = dx + buffer_row[static_cast<std::size_t>(row)] * H;
           for (int64_t h = 0; h < H; ++h) acc[static_cast<std::size_t>(h)] += dr[h];
         }
         for (int64_t h = 0; h < H; ++h) o[t * H + h] = from_float<O>(acc[static_cast<std::size_t>(h)]);
