@@ -10,7 +10,7 @@ namespace {
 
 class DeepGemm final : public HopperBackend {
  public:
-  DeepGemm() : HopperBackend(MOEKIT_CUDA_KERNELS(deepgemm)) {}
+  DeepGemm() : HopperBackend(MOEKIT_CUDA_FORWARD_KERNELS(deepgemm)) {}
   std::string_view name() const override { return "deepgemm"; }
   std::string_view description() const override {
     return "TMA + wgmma grouped GEMM for Hopper (sm_90a), rows padded per expert to 128, activation fused; bf16 "

@@ -73,12 +73,20 @@ class PortableBackend : public ExpertsBackend {
 #endif
 };
 
-// The CUDA entry points of a backend, or nothing in a CPU-only build.
+// The CUDA entry points of a backend, or nothing in a CPU-only build; MOEKIT_CUDA_FORWARD_KERNELS for a backend
+// whose kernels have no backward (the Hopper backends: supports_backward refuses them).
 #if MOEKIT_HAS_CUDA
-#define MOEKIT_CUDA_KERNELS(name) \
+#define MOEKIT_CUDA_KERNELS(name)                                                                 \
+  {                                                                                               \
+    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::name##_backward_workspace_bytes, \
+        &cuda::name##_backward                                                                    \
+  }
+#define MOEKIT_CUDA_FORWARD_KERNELS(name) \
   { &cuda::name##_workspace_bytes, &cuda::name##_forward }
 #else
 #define MOEKIT_CUDA_KERNELS(name) \
+  {}
+#define MOEKIT_CUDA_FORWARD_KERNELS(name) \
   {}
 #endif
 

@@ -10,7 +10,7 @@ namespace {
 
 class SonicMoe final : public HopperBackend {
  public:
-  SonicMoe() : HopperBackend(MOEKIT_CUDA_KERNELS(sonicmoe)) {}
+  SonicMoe() : HopperBackend(MOEKIT_CUDA_FORWARD_KERNELS(sonicmoe)) {}
   std::string_view name() const override { return "sonicmoe"; }
   std::string_view description() const override {
     return "fused routed forward for Hopper: gather in the operand load, activation and routing weight fused; "

@@ -69,6 +69,18 @@ struct ExpertsBackwardArgs {
   void* grad_down_bias = nullptr;        // [E, H] dtype or null
 };
 
+// The backward of the portable backends (cuda/backward.cuh), asynchronous on the stream, in a workspace of
+// *_backward_workspace_bytes. grouped_mm and batched_mm share one pipeline: the weight gradients sum each expert's
+// rows in order, which needs the pairs grouped by expert, so batched_mm's backward sorts them as grouped_mm's does;
+// neither synchronises with the host nor allocates. eager_backward reads the experts' row counts back (its one
+// host synchronisation) and runs the products expert by expert.
+std::size_t grouped_mm_backward_workspace_bytes(const ExpertsBackwardArgs& b);
+void grouped_mm_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream);
+std::size_t batched_mm_backward_workspace_bytes(const ExpertsBackwardArgs& b);
+void batched_mm_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream);
+std::size_t eager_backward_workspace_bytes(const ExpertsBackwardArgs& b);
+void eager_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream);
+
 std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a);
 void batched_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
 
