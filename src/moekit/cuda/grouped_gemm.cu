@@ -10,6 +10,7 @@
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/grouped_gemm.cuh"
+#include "moekit/cuda/mma_sync.cuh"
 #include "moekit/cuda/tensor_map.h"
 
 namespace moekit::cuda {
@@ -111,29 +112,8 @@ constexpr int kCPitch = kMmaCols + 4;
 constexpr std::size_t kMmaSmem =
     std::max<std::size_t>(kStages * kStageElems * 2, static_cast<std::size_t>(kTileRows) * kCPitch * 4);
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
+using mma::ldmatrix_x4;
+using mma::mma16816;
 
 // One kMmaDepth-deep step of a warp's 32 x 64 piece of the tile (rows 32 * warp_m, columns 64 * warp_n):
 // a [kTileRows][kPitch] and b [kMmaCols][kPitch] in shared memory, k contiguous.
