@@ -221,6 +221,36 @@ __device__ __forceinline__ void finish_row_tile(const BackwardProblem& p, const 
   }
 }
 
+// This block's expert, its rows [row_begin, row_end) and its column block. Blocks run in groups of kTileGroup row
+// tiles, row tile fastest within a group, so that the tiles of one expert that read the same column block of its
+// weight start together and share it in L2 (at DeepSeek-V3's shape an expert's up weight is 59 MB, more than L2);
+// run column block fastest, they started a row tile's columns apart. The group's blocks share the left operand's
+// rows instead, a few blocks apart. On the H200, DeepSeek-V3 forward + backward at 16,384 tokens: 172 -> 166 ms.
+constexpr int64_t kTileGroup = 8;
+
+__device__ __forceinline__ bool find_row_tile(const GroupedProblem& s, int64_t& expert, int64_t& row_begin,
+                                              int64_t& row_end, int64_t& col) {
+  const int64_t cols = s.col_blocks, tiles = gridDim.x / cols, block = blockIdx.x;
+  const int64_t first = block / (kTileGroup * cols) * kTileGroup;
+  const int64_t size = min(kTileGroup, tiles - first), within = block - first * cols;
+  int64_t tile = first + within % size;
+  col = within / size;
+  const int32_t* offsets = s.r.tile_offsets;
+  int64_t e;
+  if (s.only_expert >= 0) {
+    e = s.only_expert;
+    tile += offsets[e];
+    if (tile >= offsets[e + 1]) return false;
+  } else {
+    if (tile >= offsets[s.a.experts]) return false;
+    e = expert_of(offsets, s.a.experts, tile);
+  }
+  expert = e;
+  row_begin = s.r.offsets[e] + (tile - offsets[e]) * kTileRows;
+  row_end = min(row_begin + kTileRows, static_cast<int64_t>(s.r.offsets[e + 1]));
+  return true;
+}
+
 constexpr int kThreads = 256;
 
 // ---- Tensor-core kernel ----
@@ -243,12 +273,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     row_product_mma_kernel(const BackwardProblem p, const GroupedProblem schedule) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
-  int64_t expert, row_begin, row_end;
-  if (!find_tile(schedule, expert, row_begin, row_end, kTileRows)) return;
+  int64_t expert, row_begin, row_end, col;
+  if (!find_row_tile(schedule, expert, row_begin, row_end, col)) return;
   const ExpertsArgs& a = p.b.a;
   const int64_t depth = product_depth<W>(a), width = product_width<W>(a);
   const T* w = product_weight<T, W>(p, expert);
-  const int64_t n0 = block_col(schedule) * kMmaCols;
+  const int64_t n0 = col * kMmaCols;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
 
   // A stage: 64 left rows of 4 16-byte chunks (one a thread, its row fixed over k) and 32 x 256 weight values
@@ -342,12 +372,12 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float a_tile[kSimtDepth][kTileRows + 4];
   __shared__ float b_tile[kSimtDepth][kSimtCols + 4];
   __shared__ float c_tile[kTileRows][kSimtCols + 1];
-  int64_t expert, row_begin, row_end;
-  if (!find_tile(schedule, expert, row_begin, row_end, kTileRows)) return;
+  int64_t expert, row_begin, row_end, col;
+  if (!find_row_tile(schedule, expert, row_begin, row_end, col)) return;
   const ExpertsArgs& a = p.b.a;
   const int64_t depth = product_depth<W>(a), width = product_width<W>(a);
   const T* w = product_weight<T, W>(p, expert);
-  const int64_t n0 = block_col(schedule) * kSimtCols;
+  const int64_t n0 = col * kSimtCols;
   const int tid = static_cast<int>(threadIdx.x), ty = tid / 16, tx = tid % 16;
   constexpr int kLoads = kTileRows * kSimtDepth / kThreads;  // 4 values of each tile a thread
   // Load q of a step reads left row i / 16 at k = k0 + i % 16 and the weight at (k0 + kk, n0 + col), i = tid + 256 q,

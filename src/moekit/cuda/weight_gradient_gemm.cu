@@ -6,7 +6,11 @@
 // no token chose gets zeros. The grid is experts x tiles, known on the host, so nothing waits for the routing.
 // Tensor cores (mma.sync bf16/f16): 128 x 128 tiles, 8 warps of 64 x 32, 32 rows a step, a 4-stage cp.async
 // pipeline; both operands are stored with the reduction (row) index outermost, so both are read with
-// ldmatrix.trans. The CUDA-core kernel takes f32 and sizes that are not multiples of 8.
+// ldmatrix.trans. With few rows per expert (DeepSeek-V3 at 4,096 tokens: 128, four steps) a one-tile block is
+// mostly its pipeline's fill and its first loads' latency (these products ran at 118 TFLOP/s there, 210-270 with
+// long row walks), so a block computes a strip of tiles along the output columns through one pipeline: the next
+// tile's loads are in flight while this one's last steps and its stores run (DeepSeek-V3 forward + backward at
+// 4,096 tokens: 62.7 -> 60.0 ms). The CUDA-core kernel takes f32 and sizes that are not multiples of 8.
 #include <algorithm>
 
 #include "moekit/cuda/backward.cuh"
@@ -27,21 +31,30 @@ struct GradientProduct {
   int64_t right_width = 0;
   void* out = nullptr;
   int64_t tiles_m = 0, tiles_n = 0;
+  int64_t strip = 1;     // neighbouring output tiles along n that one block computes, one after another
   int only_expert = -1;  // >= 0: the grid covers this expert's tiles only
 };
 
-// This block's expert and output tile (tile column fastest: neighbouring blocks read the same rows).
+__host__ __device__ __forceinline__ int64_t strips_n(const GradientProduct& g) {
+  return (g.tiles_n + g.strip - 1) / g.strip;
+}
+
+// This block's expert and its strip of output tiles: rows m0, columns n0 onwards, `tiles` tiles (strip column
+// fastest: neighbouring blocks read the same rows).
 struct GradientTile {
-  int64_t expert, m0, n0, row_begin, row_end;
+  int64_t expert, m0, n0, tiles, row_begin, row_end;
 };
 
 __device__ __forceinline__ GradientTile gradient_tile(const GradientProduct& g, int tile_m, int tile_n) {
-  const int64_t per_expert = g.tiles_m * g.tiles_n, block = blockIdx.x;
+  const int64_t strips = strips_n(g);
+  const int64_t per_expert = g.tiles_m * strips, block = blockIdx.x;
   GradientTile t;
   t.expert = g.only_expert >= 0 ? g.only_expert : block / per_expert;
   const int64_t within = block % per_expert;
-  t.m0 = within / g.tiles_n * tile_m;
-  t.n0 = within % g.tiles_n * tile_n;
+  const int64_t first = within % strips * g.strip;
+  t.m0 = within / strips * tile_m;
+  t.n0 = first * tile_n;
+  t.tiles = min(g.strip, g.tiles_n - first);
   t.row_begin = g.offsets[t.expert];
   t.row_end = g.offsets[t.expert + 1];
   return t;
@@ -74,26 +87,29 @@ __global__ void __launch_bounds__(kThreads, 2) weight_gradient_mma_kernel(const 
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, lane = tid % 32;
   // Chunk q of a step: row (tid + 256 q) / 16 of the step, columns 8 * (tid % 16) of the tile, in both operands. The
   // token rows of the gathered side are read one step ahead (tokens), so that issuing a step's copies does not wait
-  // for a load of row_token.
+  // for a load of row_token. The pipeline runs over the strip's tiles one after another, k_steps steps each:
+  // load_stage and compute see the steps in order, so each keeps its own position (k step, tile column).
   const int chunk = tid % kChunksPerRow;
   int32_t tokens[kChunks];
-  auto fetch_tokens = [&](int64_t step) {
+  auto fetch_tokens = [&](int64_t k_step) {
 #pragma unroll
     for (int q = 0; q < kChunks; ++q) {
-      const int64_t r = t.row_begin + step * kRowStep + (tid + q * kThreads) / kChunksPerRow;
+      const int64_t r = t.row_begin + k_step * kRowStep + (tid + q * kThreads) / kChunksPerRow;
       tokens[q] = r < t.row_end ? g.row_token[r] : 0;
     }
   };
   fetch_tokens(0);
-  const int64_t m = t.m0 + chunk * 8, n = t.n0 + chunk * 8;
+  const int64_t m = t.m0 + chunk * 8;
   const int64_t k_steps = (t.row_end - t.row_begin + kRowStep - 1) / kRowStep;
-  auto load_stage = [&](int64_t step, int stage) {
+  int64_t load_k = 0, load_n0 = t.n0;
+  auto load_stage = [&](int64_t, int stage) {
     T* sl = smem + stage * 2 * kOperandElems;
     T* sr = sl + kOperandElems;
+    const int64_t n = load_n0 + chunk * 8;
 #pragma unroll
     for (int q = 0; q < kChunks; ++q) {
       const int kr = (tid + q * kThreads) / kChunksPerRow;
-      const int64_t r = t.row_begin + step * kRowStep + kr;
+      const int64_t r = t.row_begin + load_k * kRowStep + kr;
       const int64_t sorted_row = r, token_row = tokens[q];
       const bool row_ok = r < t.row_end;
       const int64_t left_row = kLeftByToken ? token_row : sorted_row, right_row = kLeftByToken ? sorted_row : token_row;
@@ -101,12 +117,36 @@ __global__ void __launch_bounds__(kThreads, 2) weight_gradient_mma_kernel(const 
       cp_async16(sl + kr * kPitch + chunk * 8, left_ok ? left + left_row * M + m : left, left_ok);
       cp_async16(sr + kr * kPitch + chunk * 8, right_ok ? right + right_row * Nw + n : right, right_ok);
     }
-    fetch_tokens(step + 1);
+    if (++load_k == k_steps) load_k = 0, load_n0 += kTileN;
+    fetch_tokens(load_k);
   };
 
   const int warp_m = warp / 4, warp_n = warp % 4;  // the warp's outputs: rows 64 * warp_m, columns 32 * warp_n
   float acc[4][4][4] = {};
-  mma::pipelined_steps<kStages>(k_steps, load_stage, [&](int64_t, int stage) {
+  // Each lane's accumulators (m16n8 C fragments) are pairs of neighbouring columns: one 4-byte store each
+  // (Nw is a multiple of 8, so a pair is whole).
+  T* out = static_cast<T*>(g.out) + t.expert * M * Nw;
+  auto store_tile = [&](int64_t n0) {
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int64_t row = t.m0 + warp_m * 64 + mt * 16 + lane / 4 + half * 8;
+          const int64_t col = n0 + warp_n * 32 + nt * 8 + (lane % 4) * 2;
+          if (row >= M || col >= Nw) continue;
+          const uint32_t pair = static_cast<uint32_t>(from_f<T>(acc[mt][nt][2 * half]).bits) |
+                                static_cast<uint32_t>(from_f<T>(acc[mt][nt][2 * half + 1]).bits) << 16;
+          *reinterpret_cast<uint32_t*>(out + row * Nw + col) = pair;
+        }
+  };
+  if (k_steps == 0) {  // an expert without rows: zeros
+    for (int64_t j = 0; j < t.tiles; ++j) store_tile(t.n0 + j * kTileN);
+    return;
+  }
+  int64_t compute_k = 0, compute_n0 = t.n0;
+  mma::pipelined_steps<kStages>(k_steps * t.tiles, load_stage, [&](int64_t, int stage) {
     const T* sl = smem + stage * 2 * kOperandElems;
     const T* sr = sl + kOperandElems;
 #pragma unroll
@@ -128,23 +168,17 @@ __global__ void __launch_bounds__(kThreads, 2) weight_gradient_mma_kernel(const 
         }
       }
     }
+    if (++compute_k < k_steps) return;
+    store_tile(compute_n0);
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.0f;
+    compute_k = 0;
+    compute_n0 += kTileN;
   });
-  // Each lane's accumulators (m16n8 C fragments) are pairs of neighbouring columns: one 4-byte store each
-  // (Nw is a multiple of 8, so a pair is whole).
-  T* out = static_cast<T*>(g.out) + t.expert * M * Nw;
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t row = t.m0 + warp_m * 64 + mt * 16 + lane / 4 + half * 8;
-        const int64_t col = t.n0 + warp_n * 32 + nt * 8 + (lane % 4) * 2;
-        if (row >= M || col >= Nw) continue;
-        const uint32_t pair = static_cast<uint32_t>(from_f<T>(acc[mt][nt][2 * half]).bits) |
-                              static_cast<uint32_t>(from_f<T>(acc[mt][nt][2 * half + 1]).bits) << 16;
-        *reinterpret_cast<uint32_t*>(out + row * Nw + col) = pair;
-      }
 }
 
 // ---- CUDA-core kernel: 64 x 64 tiles, 16 rows a step, 4 x 4 outputs a thread ----
@@ -243,15 +277,25 @@ __global__ void __launch_bounds__(kThreads) column_sums_kernel(const ColumnSums 
   static_cast<T*>(s.out)[e * s.width + col] = from_f<T>(acc);
 }
 
+// Steps a tensor-core block should run at least, over the strip's tiles: with the expert's rows known only on the
+// device, the strip is sized from the average rows per expert. One expert's launch (eager) keeps one tile a block,
+// its grid being small already.
+constexpr int64_t kStripSteps = 32;
+
 template <typename T>
-void launch_gradient(GradientProduct g, bool left_by_token, bool tensor_cores, int64_t experts, cudaStream_t stream) {
+void launch_gradient(GradientProduct g, bool left_by_token, bool tensor_cores, int64_t experts, int64_t pairs,
+                     cudaStream_t stream) {
   if (g.left_width == 0 || g.right_width == 0) return;
   const int64_t launched_experts = g.only_expert >= 0 ? 1 : experts;
   if (launched_experts == 0) return;
   const int tile_m = tensor_cores ? kTileM : kSimtTile, tile_n = tensor_cores ? kTileN : kSimtTile;
   g.tiles_m = (g.left_width + tile_m - 1) / tile_m;
   g.tiles_n = (g.right_width + tile_n - 1) / tile_n;
-  const int64_t blocks = launched_experts * g.tiles_m * g.tiles_n;
+  if (tensor_cores && g.only_expert < 0) {
+    const int64_t steps = std::max<int64_t>(1, (pairs / experts + kRowStep - 1) / kRowStep);
+    g.strip = std::clamp<int64_t>((kStripSteps + steps - 1) / steps, 1, g.tiles_n);
+  }
+  const int64_t blocks = launched_experts * g.tiles_m * strips_n(g);
   MOEKIT_CHECK(blocks <= 0x7fffffff, "experts backward: too many weight-gradient tiles for one launch (", blocks, ")");
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_cores) {
@@ -272,6 +316,7 @@ void launch_gradient(GradientProduct g, bool left_by_token, bool tensor_cores, i
 void launch_weight_gradients(const BackwardProblem& p, cudaStream_t stream) {
   const ExpertsArgs& a = p.b.a;
   const int64_t N = a.has_gate ? 2 * a.intermediate : a.intermediate, H = a.hidden, I = a.intermediate;
+  const int64_t P = a.tokens * a.top_k;
   GradientProduct base;
   base.offsets = p.r.offsets;
   base.row_token = p.row_token;
@@ -294,8 +339,8 @@ void launch_weight_gradients(const BackwardProblem& p, cudaStream_t stream) {
   }
   visit_float_dtype(a.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_gradient<T>(up, a.transposed, p.tensor_cores, a.experts, stream);
-    launch_gradient<T>(down, !a.transposed, p.tensor_cores, a.experts, stream);
+    launch_gradient<T>(up, a.transposed, p.tensor_cores, a.experts, P, stream);
+    launch_gradient<T>(down, !a.transposed, p.tensor_cores, a.experts, P, stream);
   });
 }
 
