@@ -4,11 +4,14 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -49,6 +52,28 @@ inline std::filesystem::path temp_dir(const std::string& group) {
   std::filesystem::create_directories(dir);
   return dir;
 }
+
+#ifdef MOEKIT_CLI_PATH
+// The exit status and the output (stdout and stderr) of the built `moekit` binary run with args; the output
+// goes through dir/cli.log.
+struct CliResult {
+  int exit_code = -1;
+  std::string output;
+};
+
+inline CliResult run_cli(const std::string& args, const std::filesystem::path& dir) {
+  const std::filesystem::path log = dir / "cli.log";
+  const std::string command = std::string("'") + MOEKIT_CLI_PATH + "' " + args + " > '" + log.string() + "' 2>&1";
+  const int status = std::system(command.c_str());
+  CliResult r;
+  r.exit_code = status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::ifstream in(log);
+  std::stringstream text;
+  text << in.rdbuf();
+  r.output = text.str();
+  return r;
+}
+#endif
 
 // Passes when fn throws moekit::Error and its message contains every part; the failure message shows
 // what was thrown instead, so a wrong message is diagnosable from the log alone.

@@ -53,23 +53,8 @@ fs::path file_of(const std::string& fixture, const std::string& kind) {
   return fixture_base(fixture).string() + "." + kind + ".safetensors";
 }
 
-struct CliResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
-
-CliResult run_cli(const std::string& args, const fs::path& dir) {
-  const fs::path log = dir / "cli.log";
-  const std::string command = std::string("'") + MOEKIT_CLI_PATH + "' " + args + " > '" + log.string() + "' 2>&1";
-  const int status = std::system(command.c_str());
-  CliResult r;
-  r.exit_code = status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  std::ifstream in(log);
-  std::stringstream text;
-  text << in.rdbuf();
-  r.output = text.str();
-  return r;
-}
+using test::CliResult;
+using test::run_cli;
 
 // `moekit experts` forward + backward of input with grad_out, written to dir/out.safetensors.
 fs::path run_backward(const fs::path& input, const fs::path& grad_out, const std::string& backend,

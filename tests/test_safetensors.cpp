@@ -391,23 +391,8 @@ TEST(Safetensors, GarbageNeverCrashes) {
 // reference (DESIGN section 6 tolerances).
 #ifdef MOEKIT_CLI_PATH
 
-struct CliResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-};
-
-CliResult run_cli(const std::string& args, const fs::path& dir) {
-  const fs::path log = dir / "cli.log";
-  const std::string command = std::string("'") + MOEKIT_CLI_PATH + "' " + args + " > '" + log.string() + "' 2>&1";
-  const int status = std::system(command.c_str());
-  CliResult r;
-  r.exit_code = status == -1 ? -1 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  std::ifstream in(log);
-  std::stringstream text;
-  text << in.rdbuf();
-  r.output = text.str();
-  return r;
-}
+using test::CliResult;
+using test::run_cli;
 
 // The problem's tensors under the names `moekit experts` reads, and its configuration as metadata.
 std::vector<std::pair<std::string, Tensor>> problem_tensors(const ExpertsProblem& p) {
