@@ -153,6 +153,29 @@ inline Tensor poisoned_output(const ExpertsProblem& p, Device device) {
   return out;
 }
 
+// Every byte of every defined gradient set to 0xFF (NaN in each float dtype), so an element a backward
+// forgets to write fails the comparison.
+inline void poison_gradients(ExpertsGradients& g) {
+  for (Tensor* t :
+       {&g.hidden_states, &g.top_k_weights, &g.gate_up_proj, &g.down_proj, &g.gate_up_proj_bias, &g.down_proj_bias})
+    if (t->defined()) t->fill_bytes(0xFF);
+}
+
+// Gradients on device with the shapes and dtypes of the problem's inputs (bias gradients where it has biases),
+// poisoned.
+inline ExpertsGradients poisoned_gradients(const ExpertsProblem& p, Device device) {
+  auto like = [&](const Tensor& t) { return t.defined() ? Tensor::empty(t.shape(), t.dtype(), device) : Tensor(); };
+  ExpertsGradients g;
+  g.hidden_states = like(p.hidden_states);
+  g.top_k_weights = like(p.top_k_weights);
+  g.gate_up_proj = like(p.gate_up_proj);
+  g.down_proj = like(p.down_proj);
+  g.gate_up_proj_bias = like(p.gate_up_proj_bias);
+  g.down_proj_bias = like(p.down_proj_bias);
+  poison_gradients(g);
+  return g;
+}
+
 // DESIGN §6. The per-token bound exists because a wrong expert shows as one bad token, which a global norm
 // hides. The contract states it for 16-bit types only; for f32 we keep the same 2.5x ratio between the
 // per-token and the overall bound. A token whose reference is exactly zero (every slot a sentinel, or

@@ -26,31 +26,10 @@ Tensor device_workspace(std::size_t bytes) {
   return Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(bytes, 1))}, DType::u8, Device::cuda());
 }
 
-ExpertsGradients empty_gradients(const ExpertsProblem& p) {
-  auto like = [](const Tensor& t) { return t.defined() ? Tensor::empty(t.shape(), t.dtype(), t.device()) : Tensor(); };
-  ExpertsGradients g;
-  g.hidden_states = like(p.hidden_states);
-  g.top_k_weights = like(p.top_k_weights);
-  g.gate_up_proj = like(p.gate_up_proj);
-  g.down_proj = like(p.down_proj);
-  g.gate_up_proj_bias = like(p.gate_up_proj_bias);
-  g.down_proj_bias = like(p.down_proj_bias);
-  return g;
-}
-
-void poison(ExpertsGradients& g) {
-  for (Tensor* t :
-       {&g.hidden_states, &g.top_k_weights, &g.gate_up_proj, &g.down_proj, &g.gate_up_proj_bias, &g.down_proj_bias})
-    if (t->defined()) t->fill_bytes(0xFF);
-}
-
 // A gradient on the device against its reference, rows being the last dimension (one token, one weight row).
 void expect_matches(const char* name, const Tensor& got, const std::vector<double>& want, DType dtype,
                     const std::string& where) {
-  const Tensor host = got.to(Device::cpu());
-  const int64_t cols = host.shape().back();
-  const Tensor rows = test::tensor_of(test::values_of(host), {cols > 0 ? host.numel() / cols : 0, cols});
-  const test::Comparison c = test::compare_with_reference(rows, want, test::tolerance_for(dtype));
+  const test::Comparison c = test::compare_with_reference(test::as_rows(got), want, test::tolerance_for(dtype));
   EXPECT_TRUE(c.passed()) << name << ": " << c.summary() << "\n  " << where;
 }
 
@@ -71,7 +50,7 @@ TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
   const ExpertsProblem first = make_random_problem(o);
   ExpertsProblem captured = test::problem_on(first, Device::cuda());
   Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
-  ExpertsGradients grads = empty_gradients(captured);
+  ExpertsGradients grads = test::poisoned_gradients(captured, Device::cuda());
   Tensor workspace = device_workspace(ExpertsInterface::global().get(backend).backward_workspace_bytes(captured));
   DeviceStream stream(Device::cuda());
   synchronize(Device::cuda());
@@ -99,7 +78,7 @@ TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
     copy_into(captured.top_k_index, fresh.top_k_index, stream);
     copy_into(captured.top_k_weights, fresh.top_k_weights, stream);
     copy_into(grad_out, fresh_grad_out, stream);
-    poison(grads);
+    test::poison_gradients(grads);
     stream.synchronize();
     synchronize(Device::cuda());
     graph.replay();
@@ -124,7 +103,7 @@ TEST(BackwardCudaGraphEager, CaptureFailsBecauseEagerSynchronises) {
   o.dtype = DType::bf16;
   const ExpertsProblem p = test::problem_on(make_random_problem(o), Device::cuda());
   const Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
-  ExpertsGradients grads = empty_gradients(p);
+  ExpertsGradients grads = test::poisoned_gradients(p, Device::cuda());
   Tensor workspace = device_workspace(ExpertsInterface::global().get("eager").backward_workspace_bytes(p));
   DeviceStream stream(Device::cuda());
   synchronize(Device::cuda());
@@ -166,7 +145,8 @@ TEST(BackwardCudaPerformance, DISABLED_Qwen3Layer) {
   Tensor out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
   Tensor forward_workspace = device_workspace(backend.workspace_bytes(p));
   Tensor backward_workspace = device_workspace(backend.backward_workspace_bytes(p));
-  ExpertsGradients grads = empty_gradients(p), again = empty_gradients(p);
+  ExpertsGradients grads = test::poisoned_gradients(p, Device::cuda()),
+                   again = test::poisoned_gradients(p, Device::cuda());
   DeviceStream stream(Device::cuda());
   DeviceTimer timer(stream);
   synchronize(Device::cuda());

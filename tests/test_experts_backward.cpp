@@ -72,8 +72,8 @@ TEST_P(ReferenceBackward, MatchesFiniteDifferences) {
   // GPT-OSS: inputs large enough that both clamps are active on a share of the values.
   if (o.config.swiglu_limit) o.input_scale = 16.0f;
   ExpertsProblem p = make_random_problem(o);
-  for (Tensor* t : {&p.hidden_states, &p.top_k_weights, &p.gate_up_proj, &p.down_proj, &p.gate_up_proj_bias,
-                    &p.down_proj_bias})
+  for (Tensor* t :
+       {&p.hidden_states, &p.top_k_weights, &p.gate_up_proj, &p.down_proj, &p.gate_up_proj_bias, &p.down_proj_bias})
     round_to_grid(*t);
   Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, DType::f32);
   fill_uniform(grad_out, 1.0f, 5);
@@ -136,8 +136,8 @@ std::vector<FiniteDifferenceCase> finite_difference_cases() {
 
 std::string finite_difference_name(const ::testing::TestParamInfo<FiniteDifferenceCase>& info) {
   const FiniteDifferenceCase& c = info.param;
-  return test::config_name(c.activation, test::make_config(c.activation, c.has_gate, c.has_bias, c.transposed,
-                                                           c.concatenated));
+  return test::config_name(c.activation,
+                           test::make_config(c.activation, c.has_gate, c.has_bias, c.transposed, c.concatenated));
 }
 
 INSTANTIATE_TEST_SUITE_P(Activations, ReferenceBackward, ::testing::ValuesIn(finite_difference_cases()),
@@ -204,25 +204,6 @@ Tensor grad_out_of(const HarnessCase& c) {
   return g.to(c.options.dtype);
 }
 
-// A poisoned gradient (every byte 0xFF: NaN in every float dtype) of the shape and dtype of `like`.
-Tensor poisoned_like(const Tensor& like, Device device) {
-  if (!like.defined()) return Tensor();
-  Tensor t = Tensor::empty(like.shape(), like.dtype(), device);
-  t.fill_bytes(0xFF);
-  return t;
-}
-
-ExpertsGradients poisoned_gradients(const ExpertsProblem& p, Device device) {
-  ExpertsGradients g;
-  g.hidden_states = poisoned_like(p.hidden_states, device);
-  g.top_k_weights = poisoned_like(p.top_k_weights, device);
-  g.gate_up_proj = poisoned_like(p.gate_up_proj, device);
-  g.down_proj = poisoned_like(p.down_proj, device);
-  g.gate_up_proj_bias = poisoned_like(p.gate_up_proj_bias, device);
-  g.down_proj_bias = poisoned_like(p.down_proj_bias, device);
-  return g;
-}
-
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   if (!a.defined() || !b.defined()) return a.defined() == b.defined();
   const Tensor x = a.to(Device::cpu()), y = b.to(Device::cpu());
@@ -249,7 +230,7 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
   }
   const ReferenceGradients ref = experts_reference_backward(host_problem, host_grad_out);
 
-  ExpertsGradients grads = poisoned_gradients(problem, p.device);
+  ExpertsGradients grads = test::poisoned_gradients(problem, p.device);
   try {
     grads = experts_backward(problem, grad_out, p.backend, grads);
   } catch (const std::exception& e) {
@@ -290,7 +271,7 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
       ASSERT_EQ(gx[static_cast<std::size_t>(t * H + h)], 0.0f) << "all-sentinel token " << t << "\n  " << where;
 
   // Bitwise reproducible: a second run gives the very same bytes.
-  ExpertsGradients again = experts_backward(problem, grad_out, p.backend, poisoned_gradients(problem, p.device));
+  ExpertsGradients again = experts_backward(problem, grad_out, p.backend, test::poisoned_gradients(problem, p.device));
   synchronize(p.device);
   EXPECT_TRUE(bitwise_equal(grads.hidden_states, again.hidden_states)) << "grad_hidden_states differs run to run";
   EXPECT_TRUE(bitwise_equal(grads.top_k_weights, again.top_k_weights)) << "grad_top_k_weights differs";
@@ -368,10 +349,16 @@ TEST(BackwardRefusals, BackendsWithoutABackwardSayWhy) {
 
 TEST(BackwardArguments, GradOutMustMatchTheOutput) {
   const ExpertsProblem p = small_problem();
-  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor::empty({4, 15}, DType::f32), "eager"); },
-                                      {"grad_out must be a contiguous f32[4, 16]"}));
-  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor::empty({4, 16}, DType::bf16), "eager"); },
-                                      {"grad_out", "bf16"}));
+  EXPECT_TRUE(test::throws_error_with(
+      [&] {
+        experts_backward(p, Tensor::empty({4, 15}, DType::f32), "eager");
+      },
+      {"grad_out must be a contiguous f32[4, 16]"}));
+  EXPECT_TRUE(test::throws_error_with(
+      [&] {
+        experts_backward(p, Tensor::empty({4, 16}, DType::bf16), "eager");
+      },
+      {"grad_out", "bf16"}));
   EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor(), "eager"); }, {"grad_out", "undefined"}));
 }
 
@@ -385,7 +372,7 @@ TEST(BackwardArguments, GivenGradientsAreCheckedAndWrittenInPlace) {
   bias.down_proj_bias = Tensor::empty({4, 16}, DType::f32);
   EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, grad_out, "eager", bias); }, {"without has_bias"}));
 
-  ExpertsGradients given = poisoned_gradients(p, Device::cpu());
+  ExpertsGradients given = test::poisoned_gradients(p, Device::cpu());
   void* where = given.gate_up_proj.data();
   const ExpertsGradients out = experts_backward(p, grad_out, "grouped_mm", given);
   EXPECT_EQ(out.gate_up_proj.data(), where) << "a given gradient is written where it is, not replaced";
@@ -393,8 +380,11 @@ TEST(BackwardArguments, GivenGradientsAreCheckedAndWrittenInPlace) {
 
 TEST(BackwardArguments, UnknownBackendListsTheValidOnes) {
   const ExpertsProblem p = small_problem();
-  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, Tensor::empty({4, 16}, DType::f32), "nope"); },
-                                      {"unknown experts backend 'nope'", "grouped_mm"}));
+  EXPECT_TRUE(test::throws_error_with(
+      [&] {
+        experts_backward(p, Tensor::empty({4, 16}, DType::f32), "nope");
+      },
+      {"unknown experts backend 'nope'", "grouped_mm"}));
 }
 
 TEST(BackwardFlops, TwiceTheForward) {
