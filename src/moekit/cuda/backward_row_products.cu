@@ -410,22 +410,10 @@ __global__ void __launch_bounds__(kThreads)
       b_tile[weight_k[q]][col] = k < weight_limit[q] ? to_f(w[weight_offset[q] + (kByDepth ? k * width : k)]) : 0.0f;
     }
     __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < kSimtDepth; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = a_tile[kk][ty * 4 + i], bv[i] = b_tile[kk][tx * 4 + i];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
+    simt_tile_step(acc, a_tile, b_tile, ty, tx);
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) c_tile[ty * 4 + i][tx * 4 + j] = acc[i][j];
+  simt_store_tile(acc, c_tile, ty, tx);
   __syncthreads();
   finish_row_tile<T, W, kTileRows, kSimtCols, 1>(p, &c_tile[0][0], kSimtCols + 1, expert, row_begin, row_end, n0);
 }

@@ -82,22 +82,10 @@ __global__ void __launch_bounds__(256) simt_kernel(const GroupedProblem g) {
       b_tile[kk][r] = wv;
     }
     __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < kSimtDepth; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = a_tile[kk][ty * 4 + i], bv[i] = b_tile[kk][tx * 4 + i];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-    }
+    simt_tile_step(acc, a_tile, b_tile, ty, tx);
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) c_tile[ty * 4 + i][tx * 4 + j] = acc[i][j];
+  simt_store_tile(acc, c_tile, ty, tx);
   __syncthreads();
   store_tile<T, P, kTileRows, kSimtCols>(g, &c_tile[0][0], kSimtCols + 1, expert, row_begin, row_end, block_col(g));
 }
@@ -157,28 +145,6 @@ __device__ __forceinline__ void store_accumulators(float* c, const float (&acc)[
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         c[fragment_row(warp_m, mt, lane, i) * kCPitch + fragment_col(warp_n, nt, lane, i)] = acc[mt][nt][i];
-}
-
-// The k loop of both tensor-core kernels: a kStages-deep cp.async pipeline. load_stage(step, stage) issues
-// the copies of one step; compute(step, stage) runs once stage `stage` holds step `step` and every thread
-// has finished with the step before. Returns with all copies complete and the block synchronised.
-template <typename Load, typename Compute>
-__device__ __forceinline__ void pipelined_steps(int64_t k_steps, Load&& load_stage, Compute&& compute) {
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_steps) load_stage(s, s);
-    cp_async_commit();
-  }
-  for (int64_t step = 0; step < k_steps; ++step) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    const int64_t next = step + kStages - 1;
-    if (next < k_steps) load_stage(next, static_cast<int>(next % kStages));
-    cp_async_commit();
-    compute(step, static_cast<int>(step % kStages));
-  }
-  cp_async_wait<0>();
-  __syncthreads();
 }
 
 // After the k loop: the accumulators to shared memory (over the pipeline buffers), then the shared
@@ -242,7 +208,7 @@ __global__ void __launch_bounds__(kMmaThreads) mma_kernel(const GroupedProblem g
 
   const int warp_m = warp / 4, warp_n = warp % 4;  // warp tile: rows 32*warp_m, cols 64*warp_n
   float acc[2][8][4] = {};
-  pipelined_steps(k_steps, load_stage, [&](int64_t, int stage) {
+  mma::pipelined_steps<kStages>(k_steps, load_stage, [&](int64_t, int stage) {
     const T* sa = smem + stage * kStageElems;
     warp_tile_step<T>(acc, sa, sa + kTileRows * kPitch, warp_m, warp_n, lane);
   });
@@ -360,7 +326,7 @@ __global__ void __launch_bounds__(kMmaThreads) mma_quantized_kernel(const Groupe
   const int warp_m = warp / 4, warp_n = warp % 4;  // warp tile: rows 32*warp_m, cols 64*warp_n
   float acc[2][8][4] = {}, block_acc[2][8][4] = {};
   // Each step begins after every warp is done with the previous one's converted tile and scales.
-  pipelined_steps(k_steps, load_stage, [&](int64_t step, int stage) {
+  mma::pipelined_steps<kStages>(k_steps, load_stage, [&](int64_t step, int stage) {
     if (step % kStepsPerGroup == 0) {  // a new 128-deep block: its scales
       if (tid < kTileRows) row_scale[tid] = next_row_scale;
       if constexpr (F == WeightFormat::fp8_e4m3) col_scale[tid] = next_col_scale;

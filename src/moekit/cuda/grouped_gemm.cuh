@@ -33,6 +33,32 @@ struct GroupedProblem {
   int64_t col_blocks = 1;  // column blocks per row tile (set by the launcher)
 };
 
+// The CUDA-core kernels' inner step (grouped_gemm.cu, backward_row_products.cu): each thread's 4 x 4 piece of the
+// tile (rows 4 ty.., columns 4 tx..) accumulates one kDepth-deep slab of a [kDepth][rows] and b [kDepth][cols],
+// both in shared memory; then the piece goes to c [rows][cols] in shared memory for the epilogue.
+template <int kDepth, int kRows, int kCols>
+__device__ __forceinline__ void simt_tile_step(float (&acc)[4][4], const float (&a)[kDepth][kRows],
+                                               const float (&b)[kDepth][kCols], int ty, int tx) {
+#pragma unroll
+  for (int kk = 0; kk < kDepth; ++kk) {
+    float av[4], bv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) av[i] = a[kk][ty * 4 + i], bv[i] = b[kk][tx * 4 + i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+  }
+}
+
+template <int kRows, int kCols>
+__device__ __forceinline__ void simt_store_tile(const float (&acc)[4][4], float (&c)[kRows][kCols], int ty, int tx) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[ty * 4 + i][tx * 4 + j] = acc[i][j];
+}
+
 // Blocks run column block fastest: the blocks in flight together share their row tiles (the left
 // operand is read from memory once, not once per column block) and their expert's weights.
 __device__ __forceinline__ int64_t block_row_tile(const GroupedProblem& g) {
