@@ -82,9 +82,10 @@ class Tensor {
   static Tensor zeros(Shape shape, DType dtype, Device device = Device::cpu());
   // A view of memory the caller owns and keeps alive; strides in elements (empty = contiguous).
   static Tensor from_blob(void* data, Shape shape, DType dtype, Device device = Device::cpu(), Shape strides = {});
-  // A contiguous view of `shape` starting offset_bytes into a storage whose deleter keeps the bytes
-  // alive (a file mapping, say); the bytes must lie inside the storage.
-  static Tensor from_storage(std::shared_ptr<Storage> storage, std::size_t offset_bytes, Shape shape, DType dtype);
+  // A view of `shape` (strides in elements, empty = contiguous) starting offset_bytes into a storage whose
+  // deleter keeps the bytes alive (a file mapping, say); every byte it reaches must lie inside the storage.
+  static Tensor from_storage(std::shared_ptr<Storage> storage, std::size_t offset_bytes, Shape shape, DType dtype,
+                             Shape strides = {});
 
   bool defined() const { return storage_ != nullptr; }
   DType dtype() const { return dtype_; }

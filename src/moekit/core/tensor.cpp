@@ -99,17 +99,27 @@ Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
   return t;
 }
 
-Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, Shape strides) {
+namespace {
+
+// Elements a strided view reaches, from its first to its last (0 when empty); checks the strides.
+int64_t view_extent(const Shape& shape, const Shape& strides, const char* what) {
   const int64_t n = checked_numel(shape);
-  if (strides.empty()) strides = contiguous_strides(shape);
-  MOEKIT_CHECK(strides.size() == shape.size(), "strides ", shape_string(strides), " do not match shape ",
+  MOEKIT_CHECK(strides.size() == shape.size(), what, ": strides ", shape_string(strides), " do not match shape ",
                shape_string(shape));
-  MOEKIT_CHECK(data != nullptr || n == 0, "from_blob: null data for a non-empty tensor");
   int64_t extent = n == 0 ? 0 : 1;
   for (std::size_t i = 0; i < shape.size(); ++i) {
-    MOEKIT_CHECK(strides[i] >= 0, "from_blob: negative strides are not supported");
+    MOEKIT_CHECK(strides[i] >= 0, what, ": negative strides are not supported");
     if (n != 0) extent += (shape[i] - 1) * strides[i];
   }
+  return extent;
+}
+
+}  // namespace
+
+Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, Shape strides) {
+  if (strides.empty()) strides = contiguous_strides(shape);
+  const int64_t extent = view_extent(shape, strides, "from_blob");
+  MOEKIT_CHECK(data != nullptr || extent == 0, "from_blob: null data for a non-empty tensor");
   Tensor t;
   t.storage_ = std::make_shared<Storage>(data, static_cast<std::size_t>(extent) * dtype_size(dtype), device,
                                          std::function<void(void*)>());
@@ -120,9 +130,12 @@ Tensor Tensor::from_blob(void* data, Shape shape, DType dtype, Device device, Sh
   return t;
 }
 
-Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, std::size_t offset_bytes, Shape shape, DType dtype) {
+Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, std::size_t offset_bytes, Shape shape, DType dtype,
+                            Shape strides) {
   MOEKIT_CHECK(storage != nullptr, "from_storage: null storage");
-  const auto bytes = static_cast<std::size_t>(checked_numel(shape)) * dtype_size(dtype);
+  if (strides.empty()) strides = contiguous_strides(shape);
+  const int64_t extent = view_extent(shape, strides, "from_storage");
+  const auto bytes = static_cast<std::size_t>(extent) * dtype_size(dtype);
   MOEKIT_CHECK(offset_bytes <= storage->bytes() && bytes <= storage->bytes() - offset_bytes,
                "from_storage: ", dtype_name(dtype), shape_string(shape), " at byte ", offset_bytes,
                " overruns a storage of ", storage->bytes(), " bytes");
@@ -130,7 +143,7 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, std::size_t offset
   t.device_ = storage->device();
   t.storage_ = std::move(storage);
   t.offset_bytes_ = offset_bytes;
-  t.strides_ = contiguous_strides(shape);
+  t.strides_ = std::move(strides);
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   return t;
