@@ -40,3 +40,6 @@ fi
 if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
   "$(dirname "$0")/fetch_sass_tools.sh" || echo "setup: warning: cuobjdump not fetched; the SASS test will skip" >&2
 fi
+# torch and transformers (the GPU machine's versions) for the Python package's tests and scripts/python.sh,
+# and for making test fixtures; never a dependency of the C++ library.
+"$(dirname "$0")/setup_reference_env.sh"

@@ -1,0 +1,252 @@
+"""ctypes bindings of moekit's C ABI (include/moekit/c_api.h).
+
+The structures below mirror the header field for field; MOEKIT_C_ABI_VERSION guards them, so a library
+of another version is refused at load rather than read with the wrong layout. Everything here takes plain
+values (addresses, shapes, dtype strings): torch stays out of this module so that the bindings serve any
+caller, and moekit.torch turns tensors into these values.
+"""
+
+import ctypes
+import os
+
+from . import Error
+
+ABI_VERSION = 1  # MOEKIT_C_ABI_VERSION of the header these structures mirror
+MAX_DIMS = 4  # MOEKIT_C_MAX_DIMS
+
+DEVICE_CPU = 0
+DEVICE_CUDA = 1
+
+# Reasons and names are written into caller buffers and truncated to fit; backend reasons are one or two
+# sentences, so this never cuts one short in practice.
+_REASON_CAPACITY = 4096
+
+LIBRARY_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lib", "libmoekit_c.so")
+
+
+class Tensor(ctypes.Structure):
+    """moekit_tensor: a view (data pointer, shape, strides in elements) of memory the caller owns."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("ndim", ctypes.c_int32),
+        ("device_type", ctypes.c_int32),
+        ("device_index", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("dtype", ctypes.c_char_p),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("strides", ctypes.c_int64 * MAX_DIMS),
+        ("storage", ctypes.c_void_p),
+    ]
+
+
+class ExpertsProblem(ctypes.Structure):
+    """moekit_experts_problem: the tensors and configuration of one experts call (DESIGN §2, §3)."""
+
+    _fields_ = [
+        ("hidden_states", Tensor),
+        ("top_k_index", Tensor),
+        ("top_k_weights", Tensor),
+        ("gate_up_proj", Tensor),
+        ("down_proj", Tensor),
+        ("gate_up_proj_bias", Tensor),
+        ("down_proj_bias", Tensor),
+        ("gate_up_proj_scale_inv", Tensor),
+        ("down_proj_scale_inv", Tensor),
+        ("activation", ctypes.c_char_p),
+        ("has_gate", ctypes.c_int32),
+        ("has_bias", ctypes.c_int32),
+        ("is_transposed", ctypes.c_int32),
+        ("is_concatenated", ctypes.c_int32),
+        ("has_swiglu_limit", ctypes.c_int32),
+        ("swiglu_limit", ctypes.c_float),
+        ("swiglu_alpha", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("weight_format", ctypes.c_char_p),
+        ("activation_scheme", ctypes.c_char_p),
+        ("block_size", ctypes.c_int64),
+    ]
+
+
+class ExpertsGradients(ctypes.Structure):
+    """moekit_experts_gradients: where the backward writes each gradient (DESIGN §2b)."""
+
+    _fields_ = [
+        ("hidden_states", Tensor),
+        ("top_k_weights", Tensor),
+        ("gate_up_proj", Tensor),
+        ("down_proj", Tensor),
+        ("gate_up_proj_bias", Tensor),
+        ("down_proj_bias", Tensor),
+    ]
+
+
+def _load():
+    if not os.path.isfile(LIBRARY_PATH):
+        raise ImportError(
+            f"moekit's C library is missing: {LIBRARY_PATH} does not exist; install a built moekit package "
+            "(./scripts/build.sh stages one under build*/python) rather than importing the source tree"
+        )
+    try:
+        lib = ctypes.CDLL(LIBRARY_PATH)
+    except OSError as e:
+        raise ImportError(f"moekit's C library {LIBRARY_PATH} failed to load: {e}") from e
+
+    lib.moekit_c_abi_version.argtypes = []
+    lib.moekit_c_abi_version.restype = ctypes.c_int
+    version = lib.moekit_c_abi_version()
+    if version != ABI_VERSION:
+        # Reading structs of another layout would pass garbage pointers to the kernels: refuse instead.
+        raise ImportError(
+            f"{LIBRARY_PATH} has C ABI version {version} but this moekit package was written for version "
+            f"{ABI_VERSION}; install a package and library built together"
+        )
+
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    int32_p = ctypes.POINTER(ctypes.c_int32)
+    problem_p = ctypes.POINTER(ExpertsProblem)
+    tensor_p = ctypes.POINTER(Tensor)
+    void_p = ctypes.c_void_p
+    signatures = {
+        "moekit_last_error": ([], ctypes.c_char_p),
+        "moekit_backend_names": ([ctypes.c_char_p, ctypes.c_size_t, size_p], ctypes.c_int),
+        "moekit_backend_supports_device": (
+            [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, int32_p, ctypes.c_char_p, ctypes.c_size_t],
+            ctypes.c_int,
+        ),
+        "moekit_experts_supports": (
+            [problem_p, ctypes.c_char_p, ctypes.c_int32, int32_p, ctypes.c_char_p, ctypes.c_size_t],
+            ctypes.c_int,
+        ),
+        "moekit_experts_workspace_bytes": ([problem_p, ctypes.c_char_p, ctypes.c_int32, size_p], ctypes.c_int),
+        "moekit_experts_forward": (
+            [problem_p, ctypes.c_char_p, tensor_p, void_p, ctypes.c_size_t, void_p],
+            ctypes.c_int,
+        ),
+        "moekit_experts_backward": (
+            [problem_p, ctypes.c_char_p, tensor_p, ctypes.POINTER(ExpertsGradients), void_p, ctypes.c_size_t, void_p],
+            ctypes.c_int,
+        ),
+        "moekit_storage_create": (
+            [void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(void_p)],
+            ctypes.c_int,
+        ),
+        "moekit_storage_modified": ([void_p], ctypes.c_int),
+        "moekit_storage_release": ([void_p], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
+    return lib
+
+
+_lib = _load()
+
+
+def last_error():
+    message = _lib.moekit_last_error()
+    return message.decode("utf-8", "replace") if message else "unknown error (moekit_last_error is empty)"
+
+
+def check(status):
+    """Raises moekit.Error with the library's message when a call returned non-zero."""
+    if status != 0:
+        raise Error(last_error())
+
+
+def _encode(text):
+    return text.encode("utf-8") if isinstance(text, str) else text
+
+
+_Dims = ctypes.c_int64 * MAX_DIMS
+
+
+def tensor(data, shape, strides, dtype, device_type, device_index, storage=None):
+    """A moekit_tensor view. dtype is a C dtype string ("f32", "bf16", "i64", "f8_e4m3", ...); strides
+    are in elements; storage is a handle from storage_create (or None)."""
+    ndim = len(shape)
+    if ndim > MAX_DIMS or len(strides) != ndim:
+        raise Error(
+            f"a moekit tensor has at most {MAX_DIMS} dimensions and one stride per dimension, got shape "
+            f"{tuple(shape)} and strides {tuple(strides)}"
+        )
+    # One constructor call rather than field by field: this runs six to twelve times per experts call.
+    # The structure keeps the dtype's bytes object alive.
+    return Tensor(data, ndim, device_type, device_index, 0, _encode(dtype), _Dims(*shape), _Dims(*strides), storage)
+
+
+def backend_names():
+    needed = ctypes.c_size_t(0)
+    check(_lib.moekit_backend_names(None, 0, ctypes.byref(needed)))
+    buffer = ctypes.create_string_buffer(needed.value)
+    check(_lib.moekit_backend_names(buffer, needed.value, ctypes.byref(needed)))
+    return [name for name in buffer.value.decode("utf-8").split("\n") if name]
+
+
+def backend_supports_device(backend, device_type, device_index):
+    """(ok, reason): whether the backend runs on this device in this build and on this machine."""
+    ok = ctypes.c_int32(0)
+    reason = ctypes.create_string_buffer(_REASON_CAPACITY)
+    check(
+        _lib.moekit_backend_supports_device(
+            _encode(backend), device_type, device_index, ctypes.byref(ok), reason, _REASON_CAPACITY
+        )
+    )
+    return bool(ok.value), reason.value.decode("utf-8", "replace")
+
+
+def experts_supports(problem, backend, backward):
+    """(ok, reason) for running the problem forward or backward; raises if the problem breaks the contract."""
+    ok = ctypes.c_int32(0)
+    reason = ctypes.create_string_buffer(_REASON_CAPACITY)
+    check(
+        _lib.moekit_experts_supports(
+            ctypes.byref(problem), _encode(backend), int(backward), ctypes.byref(ok), reason, _REASON_CAPACITY
+        )
+    )
+    return bool(ok.value), reason.value.decode("utf-8", "replace")
+
+
+def experts_workspace_bytes(problem, backend, backward):
+    size = ctypes.c_size_t(0)
+    check(_lib.moekit_experts_workspace_bytes(ctypes.byref(problem), _encode(backend), int(backward), ctypes.byref(size)))
+    return size.value
+
+
+def experts_forward(problem, backend, out, workspace, workspace_bytes, stream):
+    """Writes out ([T, H], contiguous). workspace and stream are addresses (0 for none / the default stream)."""
+    check(
+        _lib.moekit_experts_forward(
+            ctypes.byref(problem), _encode(backend), ctypes.byref(out), workspace or None, workspace_bytes, stream or None
+        )
+    )
+
+
+def experts_backward(problem, backend, grad_out, grads, workspace, workspace_bytes, stream):
+    check(
+        _lib.moekit_experts_backward(
+            ctypes.byref(problem),
+            _encode(backend),
+            ctypes.byref(grad_out),
+            ctypes.byref(grads),
+            workspace or None,
+            workspace_bytes,
+            stream or None,
+        )
+    )
+
+
+def storage_create(data, nbytes, device_type, device_index):
+    """A handle registering [data, data + nbytes) so that derived data (packed weights) outlives a call."""
+    handle = ctypes.c_void_p()
+    check(_lib.moekit_storage_create(data, nbytes, device_type, device_index, ctypes.byref(handle)))
+    return handle.value
+
+
+def storage_modified(handle):
+    check(_lib.moekit_storage_modified(handle))
+
+
+def storage_release(handle):
+    _lib.moekit_storage_release(handle)

@@ -1,0 +1,552 @@
+"""moekit's experts as a PyTorch op (DESIGN §9): `moekit.torch.experts(...)`.
+
+Two `torch.library` custom ops carry the contract of DESIGN §2 and §2b:
+- `moekit::experts` (the forward), with a fake kernel for torch.compile and autograd through
+- `moekit::experts_backward`, moekit's own backward, itself an op with a fake kernel, so that a compiled
+  graph's backward holds it as one node.
+Both run on torch's current CUDA stream with workspace from torch's caching allocator and never wait for
+the device (the `eager` backend excepted, DESIGN §2), so they can be captured in CUDA graphs.
+"""
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import Error, _capi
+
+Tensor = torch.Tensor
+
+# The C dtype string of each torch dtype, by the role a tensor plays: the same byte means an FP4 pair in a
+# weight and a power-of-two scale in a scale tensor (DESIGN §3).
+_ACTIVATION_DTYPES = {
+    torch.float32: b"f32",
+    torch.float16: b"f16",
+    torch.bfloat16: b"bf16",
+}
+_INDEX_DTYPES = {torch.int32: b"i32", torch.int64: b"i64"}
+_WEIGHT_DTYPES = {
+    **_ACTIVATION_DTYPES,
+    torch.float8_e4m3fn: b"f8_e4m3",
+    torch.int8: b"f4_e2m1",  # two e2m1 values per byte, element 2j in the low nibble
+    torch.uint8: b"f4_e2m1",
+}
+_SCALE_DTYPES = {torch.float32: b"f32", torch.uint8: b"ue8m0"}
+if hasattr(torch, "float8_e8m0fnu"):
+    _SCALE_DTYPES[torch.float8_e8m0fnu] = b"ue8m0"
+
+# Roles of the problem's tensors; the weights are the tensors whose derived data (CPU packs) is cached.
+_ROLES = {
+    "hidden_states": _ACTIVATION_DTYPES,
+    "top_k_index": _INDEX_DTYPES,
+    "top_k_weights": _ACTIVATION_DTYPES,
+    "gate_up_proj": _WEIGHT_DTYPES,
+    "down_proj": _WEIGHT_DTYPES,
+    "gate_up_proj_bias": _ACTIVATION_DTYPES,
+    "down_proj_bias": _ACTIVATION_DTYPES,
+    "gate_up_proj_scale_inv": _SCALE_DTYPES,
+    "down_proj_scale_inv": _SCALE_DTYPES,
+    "out": _ACTIVATION_DTYPES,
+    "grad_out": _ACTIVATION_DTYPES,
+}
+
+# The GPT-OSS checkpoints' alpha, also the C++ default (ExpertsConfig::swiglu_alpha).
+_DEFAULT_SWIGLU_ALPHA = 1.702
+
+
+def _device(t: Tensor, name: str) -> Tuple[int, int]:
+    if t.is_cuda:
+        return _capi.DEVICE_CUDA, t.get_device()
+    if t.is_cpu:
+        return _capi.DEVICE_CPU, 0
+    raise Error(f"{name} is on {t.device}; moekit runs on cpu and cuda tensors")
+
+
+def _c_dtype(t: Tensor, name: str) -> bytes:
+    role = _ROLES[name]
+    dtype = role.get(t.dtype)
+    if dtype is None:
+        valid = ", ".join(str(d) for d in role)
+        raise Error(f"{name} has dtype {t.dtype}, which moekit does not take there; valid: {valid}")
+    return dtype
+
+
+def _view(t: Optional[Tensor], name: str, storage=None) -> "_capi.Tensor":
+    if t is None:
+        return _capi.Tensor()  # all zeros: data NULL, the C ABI's absent tensor
+    if t.dim() > _capi.MAX_DIMS:
+        raise Error(f"{name} has {t.dim()} dimensions, more than any experts tensor: {tuple(t.shape)}")
+    device_type, device_index = _device(t, name)
+    return _capi.tensor(t.data_ptr(), t.shape, t.stride(), _c_dtype(t, name), device_type, device_index, storage)
+
+
+class _StorageCache:
+    """moekit_storage handles of weight tensors, so that the CPU backends pack each weight once rather than
+    on every call (DESIGN §9, issue 35).
+
+    Keyed by the tensor's whole storage (address, size, device): every view of one parameter shares one
+    handle. An entry dies with the tensor it was made for (weakref.finalize), and remembers the tensor's
+    `_version`, which in-place writes bump (an optimizer step under no_grad): a changed version tells the
+    library to rebuild what it derived from the bytes. Writes that bypass the version counter (through
+    `.data`, from outside torch, or into inference tensors, which have no counter) are not seen; call
+    `invalidate_weights()` after those.
+    """
+
+    class _Entry:
+        __slots__ = ("handle", "owner", "owner_version", "seen_version", "finalizer")
+
+    def __init__(self):
+        self._entries = {}
+        # Reentrant: a finalizer can run (garbage collection) while this thread holds the lock.
+        self._lock = threading.RLock()
+
+    def handle(self, t: Tensor, name: str, modified: bool = False):
+        """The handle for t's storage, telling the library the bytes changed when t's version moved on or
+        when `modified` says so (the weights' packs also depend on their scales). Returns (handle, whether
+        the bytes changed since the last call)."""
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return None, False
+        key = (storage.data_ptr(), nbytes, t.device)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                owner = entry.owner()
+                # The owner moved to other memory (set_, .data = ...) and this address now holds another
+                # tensor's bytes: the entry describes memory it no longer knows.
+                if owner is None or owner.untyped_storage().data_ptr() != key[0]:
+                    self._forget(key, entry)
+                    entry = None
+            if entry is None:
+                return self._create(key, t, name).handle, False
+            # Views share their base's version counter, but an alias made with .data has its own: both the
+            # owner's counter and the caller's are compared.
+            owner_version = _version(owner)
+            seen_version = _version(t)
+            changed = owner_version != entry.owner_version or seen_version != entry.seen_version
+            if changed or modified:
+                _capi.storage_modified(entry.handle)
+                entry.owner_version = owner_version
+                entry.seen_version = seen_version
+            return entry.handle, changed
+
+    def _create(self, key, t, name):
+        device_type, device_index = _device(t, name)
+        entry = self._Entry()
+        entry.handle = _capi.storage_create(key[0], key[1], device_type, device_index)
+        entry.owner = weakref.ref(t)
+        entry.owner_version = entry.seen_version = _version(t)
+        entry.finalizer = weakref.finalize(t, self._drop, key, entry.handle)
+        # At interpreter exit the library may already be unloading; the process frees everything anyway.
+        entry.finalizer.atexit = False
+        self._entries[key] = entry
+        return entry
+
+    def _forget(self, key, entry):
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+        # detach() answers None when the finalizer has run already: the handle is released then.
+        if entry.finalizer.detach() is not None:
+            _capi.storage_release(entry.handle)
+
+    def _drop(self, key, handle):
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.handle == handle:
+                del self._entries[key]
+        _capi.storage_release(handle)
+
+    def clear(self):
+        with self._lock:
+            for key, entry in list(self._entries.items()):
+                self._forget(key, entry)
+
+    def __len__(self):
+        return len(self._entries)
+
+
+def _version(t: Tensor):
+    # Inference tensors (made under torch.inference_mode) have no version counter.
+    return None if t.is_inference() else t._version
+
+
+_weights = _StorageCache()
+
+
+def invalidate_weights():
+    """Forgets every weight's derived data (CPU packs): for weights written behind torch's back."""
+    _weights.clear()
+
+
+def _weight_view(t: Optional[Tensor], name: str, modified: bool = False):
+    """The view of a weight, with its cached storage handle, and whether its bytes changed since last use."""
+    if t is None:
+        return _capi.Tensor(), False
+    handle, changed = _weights.handle(t, name, modified)
+    return _view(t, name, handle), changed
+
+
+def _problem(tensors, config) -> "_capi.ExpertsProblem":
+    """The C problem of the ops' inputs: the nine tensors (hidden_states .. down_proj_scale_inv) and the
+    configuration (activation .. weight_format)."""
+    (
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_proj_bias,
+        down_proj_bias,
+        gate_up_proj_scale_inv,
+        down_proj_scale_inv,
+    ) = tensors
+    activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format = config
+    p = _capi.ExpertsProblem()
+    p.hidden_states = _view(hidden_states, "hidden_states")
+    p.top_k_index = _view(top_k_index, "top_k_index")
+    p.top_k_weights = _view(top_k_weights, "top_k_weights")
+    # Packs of quantised weights are dequantised with their scales and attached to the weights' storage,
+    # so new scales must drop the weights' packs too.
+    p.gate_up_proj_scale_inv, up_scales_changed = _weight_view(gate_up_proj_scale_inv, "gate_up_proj_scale_inv")
+    p.down_proj_scale_inv, down_scales_changed = _weight_view(down_proj_scale_inv, "down_proj_scale_inv")
+    p.gate_up_proj = _weight_view(gate_up_proj, "gate_up_proj", up_scales_changed)[0]
+    p.down_proj = _weight_view(down_proj, "down_proj", down_scales_changed)[0]
+    p.gate_up_proj_bias = _weight_view(gate_up_proj_bias, "gate_up_proj_bias")[0]
+    p.down_proj_bias = _weight_view(down_proj_bias, "down_proj_bias")[0]
+    p.activation = activation.encode()
+    p.has_gate = int(has_gate)
+    p.has_bias = int(gate_up_proj_bias is not None)
+    p.is_transposed = int(is_transposed)
+    p.is_concatenated = int(is_concatenated)
+    p.has_swiglu_limit = int(swiglu_limit is not None)
+    p.swiglu_limit = swiglu_limit if swiglu_limit is not None else 0.0
+    p.swiglu_alpha = swiglu_alpha
+    p.weight_format = weight_format.encode()
+    p.activation_scheme = b"dynamic"
+    p.block_size = 0
+    return p
+
+
+def _prepare(problem, backend: bytes, backward: bool, device: torch.device):
+    """The backend's life before it runs (DESIGN §5): supports -> workspace. Returns the workspace tensor
+    (kept alive by the caller until the call is queued) and its address and size."""
+    ok, reason = _capi.experts_supports(problem, backend, backward)
+    if not ok:
+        what = "the backward of " if backward else ""
+        raise Error(f"moekit backend '{backend.decode()}' cannot run {what}this problem: {reason}")
+    nbytes = _capi.experts_workspace_bytes(problem, backend, backward)
+    if nbytes == 0:
+        return None, 0, 0
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return workspace, workspace.data_ptr(), nbytes
+
+
+def _stream(device: torch.device) -> int:
+    # The calls queue on torch's current stream, so torch's allocator (which frees stream-ordered) and
+    # CUDA graph capture both see the work where they expect it.
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return 0
+
+
+def _on_device(device: torch.device):
+    # The library launches its kernels on the calling thread's current device: make it the tensors' one.
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _no_tokens(hidden_states: Tensor) -> bool:
+    # An empty tensor's data pointer is NULL, which the C ABI reads as an absent tensor: a call with no
+    # tokens (an expert-parallel rank that received none) is answered here, with nothing to compute.
+    return hidden_states.dim() == 2 and hidden_states.shape[0] == 0
+
+
+def _empty_like(t: Tensor) -> Tensor:
+    # Gradients and outputs are contiguous in their input's shape and dtype (c_api.h).
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+@torch.library.custom_op("moekit::experts", mutates_args=())
+def _experts_op(
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    gate_up_proj_bias: Optional[Tensor],
+    down_proj_bias: Optional[Tensor],
+    gate_up_proj_scale_inv: Optional[Tensor],
+    down_proj_scale_inv: Optional[Tensor],
+    backend: str,
+    activation: str,
+    has_gate: bool,
+    is_transposed: bool,
+    is_concatenated: bool,
+    swiglu_alpha: float,
+    swiglu_limit: Optional[float],
+    weight_format: str,
+) -> Tensor:
+    # The small per-token inputs are made contiguous (the contract's layout); the weights never are
+    # copied: a non-contiguous weight is refused by the library, naming it.
+    hidden_states = hidden_states.contiguous()
+    top_k_index = top_k_index.contiguous()
+    top_k_weights = top_k_weights.contiguous()
+    out = _empty_like(hidden_states)
+    if _no_tokens(hidden_states):
+        return out
+    tensors = (
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_proj_bias,
+        down_proj_bias,
+        gate_up_proj_scale_inv,
+        down_proj_scale_inv,
+    )
+    config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
+    problem = _problem(tensors, config)
+    name = backend.encode()
+    workspace, address, nbytes = _prepare(problem, name, False, hidden_states.device)
+    with _on_device(hidden_states.device):
+        _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(hidden_states.device))
+    del workspace  # freed stream-ordered after the queued call
+    return out
+
+
+@_experts_op.register_fake
+def _experts_fake(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *args):
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("moekit::experts_backward", mutates_args=())
+def _experts_backward_op(
+    grad_out: Tensor,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    gate_up_proj_bias: Optional[Tensor],
+    down_proj_bias: Optional[Tensor],
+    gate_up_proj_scale_inv: Optional[Tensor],
+    down_proj_scale_inv: Optional[Tensor],
+    backend: str,
+    activation: str,
+    has_gate: bool,
+    is_transposed: bool,
+    is_concatenated: bool,
+    swiglu_alpha: float,
+    swiglu_limit: Optional[float],
+    weight_format: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for (hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
+    down_proj_bias); the bias gradients are empty tensors when there are no biases."""
+    grad_out = grad_out.contiguous()
+    hidden_states = hidden_states.contiguous()
+    top_k_index = top_k_index.contiguous()
+    top_k_weights = top_k_weights.contiguous()
+    has_bias = gate_up_proj_bias is not None
+    if _no_tokens(hidden_states):
+        # No token reached a weight: their gradients are zero.
+        return (
+            _empty_like(hidden_states),
+            _empty_like(top_k_weights),
+            torch.zeros_like(gate_up_proj, memory_format=torch.contiguous_format),
+            torch.zeros_like(down_proj, memory_format=torch.contiguous_format),
+            torch.zeros_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
+            torch.zeros_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
+        )
+    tensors = (
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_proj_bias,
+        down_proj_bias,
+        gate_up_proj_scale_inv,
+        down_proj_scale_inv,
+    )
+    config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
+    problem = _problem(tensors, config)
+    name = backend.encode()
+    workspace, address, nbytes = _prepare(problem, name, True, hidden_states.device)
+    grads = [
+        _empty_like(hidden_states),
+        _empty_like(top_k_weights),
+        _empty_like(gate_up_proj),
+        _empty_like(down_proj),
+        _empty_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
+        _empty_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
+    ]
+    views = _capi.ExpertsGradients()
+    views.hidden_states = _view(grads[0], "hidden_states")
+    views.top_k_weights = _view(grads[1], "top_k_weights")
+    views.gate_up_proj = _view(grads[2], "gate_up_proj")
+    views.down_proj = _view(grads[3], "down_proj")
+    if has_bias:
+        views.gate_up_proj_bias = _view(grads[4], "gate_up_proj_bias")
+        views.down_proj_bias = _view(grads[5], "down_proj_bias")
+    with _on_device(hidden_states.device):
+        _capi.experts_backward(
+            problem, name, _view(grad_out, "grad_out"), views, address, nbytes, _stream(hidden_states.device)
+        )
+    del workspace
+    return tuple(grads)
+
+
+@_experts_backward_op.register_fake
+def _experts_backward_fake(
+    grad_out, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, *config
+):
+    def like(t):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    has_bias = gate_up_proj_bias is not None
+    return (
+        like(hidden_states),
+        like(top_k_weights),
+        like(gate_up_proj),
+        like(down_proj),
+        like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
+        like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
+    )
+
+
+_TENSOR_INPUTS = 9  # hidden_states .. down_proj_scale_inv, then the configuration
+_CONFIG_INPUTS = 8  # backend .. weight_format
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS])
+    ctx.config = inputs[_TENSOR_INPUTS:]
+
+
+def _backward(ctx, grad_out):
+    tensors = ctx.saved_tensors
+    g_hidden, g_weights, g_gate_up, g_down, g_gate_up_bias, g_down_bias = torch.ops.moekit.experts_backward(
+        grad_out, *tensors, *ctx.config
+    )
+    has_bias = tensors[5] is not None
+    return (
+        g_hidden,
+        None,  # top_k_index is not differentiable
+        g_weights,
+        g_gate_up,
+        g_down,
+        g_gate_up_bias if has_bias else None,
+        g_down_bias if has_bias else None,
+        None,  # scales
+        None,
+    ) + (None,) * _CONFIG_INPUTS
+
+
+_experts_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _infer_weight_format(gate_up_proj: Tensor) -> str:
+    if gate_up_proj.dtype == torch.float8_e4m3fn:
+        return "fp8_e4m3"
+    if gate_up_proj.dtype in (torch.int8, torch.uint8):
+        return "fp4_e2m1"
+    return "none"
+
+
+def experts(
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    *,
+    backend: str = "grouped_mm",
+    activation: str = "silu",
+    has_gate: bool = True,
+    is_transposed: bool = False,
+    is_concatenated: bool = True,
+    gate_up_proj_bias: Optional[Tensor] = None,
+    down_proj_bias: Optional[Tensor] = None,
+    swiglu_alpha: Optional[float] = None,
+    swiglu_limit: Optional[float] = None,
+    gate_up_proj_scale_inv: Optional[Tensor] = None,
+    down_proj_scale_inv: Optional[Tensor] = None,
+    weight_format: Optional[str] = None,
+) -> Tensor:
+    """The experts of one MoE layer (DESIGN §2): for each token t,
+    out[t] = sum_k top_k_weights[t, k] * (down_e . act(gate_up_e . x[t] + b1_e) + b2_e), e = top_k_index[t, k];
+    ids >= E (the number of experts) are expert-parallel sentinels that contribute nothing.
+
+    hidden_states [T, H] f32/f16/bf16; top_k_index [T, K] int32/int64; top_k_weights [T, K] f32 or the
+    dtype of hidden_states; gate_up_proj [E, 2I, H] ([E, H, 2I] with is_transposed; up_proj [E, I, H] with
+    has_gate=False); down_proj [E, H, I] ([E, I, H] transposed); biases [E, 2I] and [E, H].
+    activation: silu, gelu, gelu_pytorch_tanh, relu, relu2; swiglu_limit (and swiglu_alpha, default 1.702)
+    selects GPT-OSS's clamped SwiGLU. Quantised experts (DESIGN §3): float8_e4m3fn weights or int8/uint8
+    packed FP4 pairs [E, N, K/2], with their *_scale_inv; weight_format None infers the format from the
+    weights' dtype. Differentiable in hidden_states, top_k_weights, the weights and the biases (unquantised
+    experts) through moekit's backward.
+    """
+    if swiglu_limit is None and swiglu_alpha is not None:
+        raise Error("swiglu_alpha is given without swiglu_limit; the GPT-OSS clamped SwiGLU needs both (or only the limit)")
+    if weight_format is None:
+        weight_format = _infer_weight_format(gate_up_proj)
+    # The C ABI has one has_bias for both projections (transformers' modules have both or neither); a
+    # single bias gets a zero partner, whose gradient is dropped.
+    if (gate_up_proj_bias is None) != (down_proj_bias is None):
+        if gate_up_proj_bias is None:
+            n = gate_up_proj.shape[1] if not is_transposed else gate_up_proj.shape[2]
+            gate_up_proj_bias = down_proj_bias.new_zeros((gate_up_proj.shape[0], n))
+        else:
+            down_proj_bias = gate_up_proj_bias.new_zeros((down_proj.shape[0], hidden_states.shape[-1]))
+    return _experts_op(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        gate_up_proj_bias,
+        down_proj_bias,
+        gate_up_proj_scale_inv,
+        down_proj_scale_inv,
+        backend,
+        activation,
+        has_gate,
+        is_transposed,
+        is_concatenated,
+        float(swiglu_alpha) if swiglu_alpha is not None else _DEFAULT_SWIGLU_ALPHA,
+        float(swiglu_limit) if swiglu_limit is not None else None,
+        weight_format,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    ok: bool  # whether it runs on the device, in this build and on this machine
+    reason: str  # why not, when it does not
+
+
+def backends(device="cpu") -> List[BackendInfo]:
+    """Every registered backend, with whether it runs on the device and why not."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        device_type = _capi.DEVICE_CUDA
+    elif device.type == "cpu":
+        index, device_type = 0, _capi.DEVICE_CPU
+    else:
+        raise Error(f"moekit runs on cpu and cuda devices, not {device}")
+    infos = []
+    for name in _capi.backend_names():
+        ok, reason = _capi.backend_supports_device(name, device_type, index)
+        infos.append(BackendInfo(name, ok, reason))
+    return infos
+
+
+__all__ = ["BackendInfo", "backends", "experts", "invalidate_weights"]
