@@ -8,6 +8,7 @@ caller, and moekit.torch turns tensors into these values.
 
 import ctypes
 import os
+import struct
 
 from . import Error
 
@@ -104,8 +105,9 @@ def _load():
 
     size_p = ctypes.POINTER(ctypes.c_size_t)
     int32_p = ctypes.POINTER(ctypes.c_int32)
-    problem_p = ctypes.POINTER(ExpertsProblem)
-    tensor_p = ctypes.POINTER(Tensor)
+    # Problems, tensors and gradients cross as the bytes of their structures (packed below): ctypes hands a
+    # bytes object to a char* parameter as a pointer to its buffer, without a copy.
+    problem_p = tensor_p = gradients_p = ctypes.c_char_p
     void_p = ctypes.c_void_p
     signatures = {
         "moekit_last_error": ([], ctypes.c_char_p),
@@ -124,7 +126,7 @@ def _load():
             ctypes.c_int,
         ),
         "moekit_experts_backward": (
-            [problem_p, ctypes.c_char_p, tensor_p, ctypes.POINTER(ExpertsGradients), void_p, ctypes.c_size_t, void_p],
+            [problem_p, ctypes.c_char_p, tensor_p, gradients_p, void_p, ctypes.c_size_t, void_p],
             ctypes.c_int,
         ),
         "moekit_storage_create": (
@@ -159,21 +161,71 @@ def _encode(text):
     return text.encode("utf-8") if isinstance(text, str) else text
 
 
-_Dims = ctypes.c_int64 * MAX_DIMS
+# The structures' bytes, packed with the struct module in native layout: one pack per tensor costs a
+# fraction of building the ctypes structure, and a weight's view, packed once, is reused as it is.
+# _TENSOR_LAYOUTS[ndim] packs (data, ndim, device_type, device_index, reserved, dtype, shape..., strides...,
+# storage) with the unused dimensions zero.
+_TENSOR_LAYOUTS = [
+    struct.Struct(f"@P4iP{n}q{(MAX_DIMS - n) * 8}x{n}q{(MAX_DIMS - n) * 8}xP") for n in range(MAX_DIMS + 1)
+]
+TENSOR_BYTES = ctypes.sizeof(Tensor)
+ABSENT = bytes(TENSOR_BYTES)  # data NULL: an absent tensor
+# The fields of moekit_experts_problem after its nine tensors: activation .. block_size.
+_CONFIG_LAYOUT = struct.Struct("@P5iffiPPq")
+if any(l.size != TENSOR_BYTES for l in _TENSOR_LAYOUTS) or (
+    9 * TENSOR_BYTES + _CONFIG_LAYOUT.size != ctypes.sizeof(ExpertsProblem)
+    or 6 * TENSOR_BYTES != ctypes.sizeof(ExpertsGradients)
+):
+    raise ImportError("moekit's packed C structures do not match their ctypes declarations on this platform")
+
+# C strings that outlive every call (dtype, activation and format names): the addresses of their buffers go
+# into the packed structures, and the buffers are kept here.
+_string_addresses = {}
+_string_buffers = []
 
 
-def tensor(data, shape, strides, dtype, device_type, device_index, storage=None):
-    """A moekit_tensor view. dtype is a C dtype string ("f32", "bf16", "i64", "f8_e4m3", ...); strides
-    are in elements; storage is a handle from storage_create (or None)."""
+def c_string(text) -> int:
+    """The address of a NUL-terminated copy of text that lives as long as the process."""
+    address = _string_addresses.get(text)
+    if address is None:
+        buffer = ctypes.create_string_buffer(text.encode("utf-8") if isinstance(text, str) else text)
+        _string_buffers.append(buffer)
+        _string_addresses[text] = address = ctypes.addressof(buffer)
+    return address
+
+
+def tensor(data, shape, strides, dtype, device_type, device_index, storage=None) -> bytes:
+    """A moekit_tensor view, as its bytes. dtype is a C dtype string ("f32", "bf16", "i64", "f8_e4m3", ...);
+    strides are in elements; storage is a handle from storage_create (or None)."""
     ndim = len(shape)
     if ndim > MAX_DIMS or len(strides) != ndim:
         raise Error(
             f"a moekit tensor has at most {MAX_DIMS} dimensions and one stride per dimension, got shape "
             f"{tuple(shape)} and strides {tuple(strides)}"
         )
-    # One constructor call rather than field by field: this runs six to twelve times per experts call.
-    # The structure keeps the dtype's bytes object alive.
-    return Tensor(data, ndim, device_type, device_index, 0, _encode(dtype), _Dims(*shape), _Dims(*strides), storage)
+    return _TENSOR_LAYOUTS[ndim].pack(data, ndim, device_type, device_index, 0, c_string(dtype), *shape, *strides,
+                                      storage or 0)
+
+
+def config(activation, has_gate, has_bias, is_transposed, is_concatenated, swiglu_limit, swiglu_alpha,
+           weight_format, activation_scheme="dynamic", block_size=0) -> bytes:
+    """The configuration fields of moekit_experts_problem (activation .. block_size), as their bytes;
+    swiglu_limit None is the unclamped activation."""
+    return _CONFIG_LAYOUT.pack(c_string(activation), int(has_gate), int(has_bias), int(is_transposed),
+                               int(is_concatenated), int(swiglu_limit is not None),
+                               swiglu_limit if swiglu_limit is not None else 0.0, swiglu_alpha, 0,
+                               c_string(weight_format), c_string(activation_scheme), block_size)
+
+
+def problem(views, config_bytes) -> bytes:
+    """moekit_experts_problem from its nine tensor views (hidden_states .. down_proj_scale_inv) and its
+    configuration, all as bytes."""
+    return b"".join(views) + config_bytes
+
+
+def gradients(views) -> bytes:
+    """moekit_experts_gradients from its six views (hidden_states .. down_proj_bias)."""
+    return b"".join(views)
 
 
 def backend_names():
@@ -202,7 +254,7 @@ def experts_supports(problem, backend, backward):
     reason = ctypes.create_string_buffer(_REASON_CAPACITY)
     check(
         _lib.moekit_experts_supports(
-            ctypes.byref(problem), _encode(backend), int(backward), ctypes.byref(ok), reason, _REASON_CAPACITY
+            problem, _encode(backend), int(backward), ctypes.byref(ok), reason, _REASON_CAPACITY
         )
     )
     return bool(ok.value), reason.value.decode("utf-8", "replace")
@@ -210,7 +262,7 @@ def experts_supports(problem, backend, backward):
 
 def experts_workspace_bytes(problem, backend, backward):
     size = ctypes.c_size_t(0)
-    check(_lib.moekit_experts_workspace_bytes(ctypes.byref(problem), _encode(backend), int(backward), ctypes.byref(size)))
+    check(_lib.moekit_experts_workspace_bytes(problem, _encode(backend), int(backward), ctypes.byref(size)))
     return size.value
 
 
@@ -218,7 +270,7 @@ def experts_forward(problem, backend, out, workspace, workspace_bytes, stream):
     """Writes out ([T, H], contiguous). workspace and stream are addresses (0 for none / the default stream)."""
     check(
         _lib.moekit_experts_forward(
-            ctypes.byref(problem), _encode(backend), ctypes.byref(out), workspace or None, workspace_bytes, stream or None
+            problem, _encode(backend), out, workspace or None, workspace_bytes, stream or None
         )
     )
 
@@ -226,10 +278,10 @@ def experts_forward(problem, backend, out, workspace, workspace_bytes, stream):
 def experts_backward(problem, backend, grad_out, grads, workspace, workspace_bytes, stream):
     check(
         _lib.moekit_experts_backward(
-            ctypes.byref(problem),
+            problem,
             _encode(backend),
-            ctypes.byref(grad_out),
-            ctypes.byref(grads),
+            grad_out,
+            grads,
             workspace or None,
             workspace_bytes,
             stream or None,

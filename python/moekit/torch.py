@@ -10,6 +10,7 @@ the device (the `eager` backend excepted, DESIGN §2), so they can be captured i
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from typing import List, Optional, Tuple
@@ -74,9 +75,12 @@ def _c_dtype(t: Tensor, name: str) -> bytes:
     return dtype
 
 
-def _view(t: Optional[Tensor], name: str, storage=None) -> "_capi.Tensor":
+_ABSENT = _capi.ABSENT  # data NULL: the C ABI's absent tensor
+
+
+def _view(t: Optional[Tensor], name: str, storage=None) -> bytes:
     if t is None:
-        return _capi.Tensor()  # all zeros: data NULL, the C ABI's absent tensor
+        return _ABSENT
     if t.dim() > _capi.MAX_DIMS:
         raise Error(f"{name} has {t.dim()} dimensions, more than any experts tensor: {tuple(t.shape)}")
     device_type, device_index = _device(t, name)
@@ -96,22 +100,48 @@ class _StorageCache:
     """
 
     class _Entry:
-        __slots__ = ("handle", "owner", "owner_version", "seen_version", "finalizer")
+        __slots__ = ("key", "handle", "owner", "owner_version", "seen_version", "finalizer")
 
     def __init__(self):
         self._entries = {}
+        # id(tensor) -> the view last made of it while it owned its entry: a model passes the same
+        # Parameter objects on every call, and rebuilding their views costs more than the kernel at 1 token.
+        self._views = {}
         # Reentrant: a finalizer can run (garbage collection) while this thread holds the lock.
         self._lock = threading.RLock()
+
+    def view(self, t: Tensor, name: str, modified: bool = False):
+        """The C view of weight t with its handle, and whether its bytes changed since the last call."""
+        key = id(t)
+        cached = self._views.get(key)
+        if cached is not None and not modified:
+            ref, entry, data_ptr, shape, strides, version, view = cached
+            # The same live tensor, still the owner of its entry, with the same memory, layout and version.
+            if (ref() is t and entry.owner() is t and self._entries.get(entry.key) is entry and t.data_ptr() == data_ptr
+                    and t.shape == shape and t.stride() == strides and _version(t) == version):
+                return view, False
+        handle, changed = self.handle(t, name, modified)
+        result = _view(t, name, handle)
+        entry = self._entries.get(_storage_key(t)) if handle is not None else None
+        if entry is not None and entry.owner() is t:
+            with self._lock:
+                self._views[key] = (weakref.ref(t, functools.partial(self._drop_view, key)), entry, t.data_ptr(),
+                                    t.shape, t.stride(), _version(t), result)
+        return result, changed
+
+    def _drop_view(self, key, ref):
+        with self._lock:
+            cached = self._views.get(key)
+            if cached is not None and cached[0] is ref:
+                del self._views[key]
 
     def handle(self, t: Tensor, name: str, modified: bool = False):
         """The handle for t's storage, telling the library the bytes changed when t's version moved on or
         when `modified` says so (the weights' packs also depend on their scales). Returns (handle, whether
         the bytes changed since the last call)."""
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
+        key = _storage_key(t)
+        if key is None:
             return None, False
-        key = (storage.data_ptr(), nbytes, t.device)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -137,6 +167,7 @@ class _StorageCache:
     def _create(self, key, t, name):
         device_type, device_index = _device(t, name)
         entry = self._Entry()
+        entry.key = key
         entry.handle = _capi.storage_create(key[0], key[1], device_type, device_index)
         entry.owner = weakref.ref(t)
         entry.owner_version = entry.seen_version = _version(t)
@@ -162,11 +193,19 @@ class _StorageCache:
 
     def clear(self):
         with self._lock:
+            self._views.clear()
             for key, entry in list(self._entries.items()):
                 self._forget(key, entry)
 
     def __len__(self):
         return len(self._entries)
+
+
+def _storage_key(t: Tensor):
+    """What identifies t's whole storage (every view of one parameter shares it); None when empty."""
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    return (storage.data_ptr(), nbytes, t.device) if nbytes != 0 else None
 
 
 def _version(t: Tensor):
@@ -185,14 +224,17 @@ def invalidate_weights():
 def _weight_view(t: Optional[Tensor], name: str, modified: bool = False):
     """The view of a weight, with its cached storage handle, and whether its bytes changed since last use."""
     if t is None:
-        return _capi.Tensor(), False
-    handle, changed = _weights.handle(t, name, modified)
-    return _view(t, name, handle), changed
+        return _ABSENT, False
+    return _weights.view(t, name, modified)
 
 
-def _problem(tensors, config) -> "_capi.ExpertsProblem":
+# The configuration's strings as the C ABI's bytes, encoded once.
+_encoded = functools.lru_cache(maxsize=None)(str.encode)
+
+
+def _problem(tensors, config) -> bytes:
     """The C problem of the ops' inputs: the nine tensors (hidden_states .. down_proj_scale_inv) and the
-    configuration (activation .. weight_format)."""
+    configuration (activation .. weight_format), as the bytes of moekit_experts_problem, and the views."""
     (
         hidden_states,
         top_k_index,
@@ -204,41 +246,68 @@ def _problem(tensors, config) -> "_capi.ExpertsProblem":
         gate_up_proj_scale_inv,
         down_proj_scale_inv,
     ) = tensors
-    activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format = config
-    p = _capi.ExpertsProblem()
-    p.hidden_states = _view(hidden_states, "hidden_states")
-    p.top_k_index = _view(top_k_index, "top_k_index")
-    p.top_k_weights = _view(top_k_weights, "top_k_weights")
     # Packs of quantised weights are dequantised with their scales and attached to the weights' storage,
     # so new scales must drop the weights' packs too.
-    p.gate_up_proj_scale_inv, up_scales_changed = _weight_view(gate_up_proj_scale_inv, "gate_up_proj_scale_inv")
-    p.down_proj_scale_inv, down_scales_changed = _weight_view(down_proj_scale_inv, "down_proj_scale_inv")
-    p.gate_up_proj = _weight_view(gate_up_proj, "gate_up_proj", up_scales_changed)[0]
-    p.down_proj = _weight_view(down_proj, "down_proj", down_scales_changed)[0]
-    p.gate_up_proj_bias = _weight_view(gate_up_proj_bias, "gate_up_proj_bias")[0]
-    p.down_proj_bias = _weight_view(down_proj_bias, "down_proj_bias")[0]
-    p.activation = activation.encode()
-    p.has_gate = int(has_gate)
-    p.has_bias = int(gate_up_proj_bias is not None)
-    p.is_transposed = int(is_transposed)
-    p.is_concatenated = int(is_concatenated)
-    p.has_swiglu_limit = int(swiglu_limit is not None)
-    p.swiglu_limit = swiglu_limit if swiglu_limit is not None else 0.0
-    p.swiglu_alpha = swiglu_alpha
-    p.weight_format = weight_format.encode()
-    p.activation_scheme = b"dynamic"
-    p.block_size = 0
-    return p
+    up_scales, up_scales_changed = _weight_view(gate_up_proj_scale_inv, "gate_up_proj_scale_inv")
+    down_scales, down_scales_changed = _weight_view(down_proj_scale_inv, "down_proj_scale_inv")
+    views = (
+        _view(hidden_states, "hidden_states"),
+        _view(top_k_index, "top_k_index"),
+        _view(top_k_weights, "top_k_weights"),
+        _weight_view(gate_up_proj, "gate_up_proj", up_scales_changed)[0],
+        _weight_view(down_proj, "down_proj", down_scales_changed)[0],
+        _weight_view(gate_up_proj_bias, "gate_up_proj_bias")[0],
+        _weight_view(down_proj_bias, "down_proj_bias")[0],
+        up_scales,
+        down_scales,
+    )
+    return _capi.problem(views, _config_bytes(config, gate_up_proj_bias is not None)), views
 
 
-def _prepare(problem, backend: bytes, backward: bool, device: torch.device):
+@functools.lru_cache(maxsize=1024)
+def _config_bytes(config, has_bias: bool) -> bytes:
+    activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format = config
+    return _capi.config(activation, has_gate, has_bias, is_transposed, is_concatenated, swiglu_limit, swiglu_alpha,
+                        weight_format)
+
+
+class _WorkspaceSizes:
+    """Workspace bytes by problem signature, so that a call whose signature was seen before makes one C
+    call, the forward or backward, which checks the problem and its workspace again itself. Only problems
+    the backend said it runs are remembered; a new signature asks it first, with its reason when it cannot.
+    The signature: backend, direction, configuration, the shapes and dtypes of the (contiguous) per-token
+    inputs, and the weights' views whole (memory, layout, dtype, device: packed once per weight, so their
+    bytes hash once)."""
+
+    LIMIT = 4096  # signatures remembered; past it the table starts over (prefill sees a length per prompt)
+
+    def __init__(self):
+        self._bytes = {}
+
+    def get(self, problem, views, backend: bytes, backward: bool, tensors, config) -> int:
+        hidden_states, top_k_index, top_k_weights = tensors[:3]
+        key = (backend, backward, config, hidden_states.shape, hidden_states.dtype, top_k_index.shape,
+               top_k_index.dtype, top_k_weights.dtype, views[3:])
+        nbytes = self._bytes.get(key)
+        if nbytes is None:
+            ok, reason = _capi.experts_supports(problem, backend, backward)
+            if not ok:
+                what = "the backward of " if backward else ""
+                raise Error(f"moekit backend '{backend.decode()}' cannot run {what}this problem: {reason}")
+            nbytes = _capi.experts_workspace_bytes(problem, backend, backward)
+            if len(self._bytes) >= self.LIMIT:
+                self._bytes.clear()
+            self._bytes[key] = nbytes
+        return nbytes
+
+
+_workspace_sizes = _WorkspaceSizes()
+
+
+def _prepare(problem, views, backend: bytes, backward: bool, tensors, config, device: torch.device):
     """The backend's life before it runs (DESIGN §5): supports -> workspace. Returns the workspace tensor
     (kept alive by the caller until the call is queued) and its address and size."""
-    ok, reason = _capi.experts_supports(problem, backend, backward)
-    if not ok:
-        what = "the backward of " if backward else ""
-        raise Error(f"moekit backend '{backend.decode()}' cannot run {what}this problem: {reason}")
-    nbytes = _capi.experts_workspace_bytes(problem, backend, backward)
+    nbytes = _workspace_sizes.get(problem, views, backend, backward, tensors, config)
     if nbytes == 0:
         return None, 0, 0
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -249,15 +318,18 @@ def _stream(device: torch.device) -> int:
     # The calls queue on torch's current stream, so torch's allocator (which frees stream-ordered) and
     # CUDA graph capture both see the work where they expect it.
     if device.type == "cuda":
-        return torch.cuda.current_stream(device).cuda_stream
+        return torch._C._cuda_getCurrentRawStream(device.index)
     return 0
+
+
+_NO_GUARD = contextlib.nullcontext()
 
 
 def _on_device(device: torch.device):
     # The library launches its kernels on the calling thread's current device: make it the tensors' one.
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
         return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return _NO_GUARD
 
 
 def _no_tokens(hidden_states: Tensor) -> bool:
@@ -268,11 +340,10 @@ def _no_tokens(hidden_states: Tensor) -> bool:
 
 def _empty_like(t: Tensor) -> Tensor:
     # Gradients and outputs are contiguous in their input's shape and dtype (c_api.h).
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("moekit::experts", mutates_args=())
-def _experts_op(
+def _experts_forward(
     hidden_states: Tensor,
     top_k_index: Tensor,
     top_k_weights: Tensor,
@@ -311,13 +382,17 @@ def _experts_op(
         down_proj_scale_inv,
     )
     config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
-    problem = _problem(tensors, config)
-    name = backend.encode()
-    workspace, address, nbytes = _prepare(problem, name, False, hidden_states.device)
-    with _on_device(hidden_states.device):
-        _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(hidden_states.device))
+    problem, views = _problem(tensors, config)
+    name = _encoded(backend)
+    device = hidden_states.device
+    workspace, address, nbytes = _prepare(problem, views, name, False, tensors, config, device)
+    with _on_device(device):
+        _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(device))
     del workspace  # freed stream-ordered after the queued call
     return out
+
+
+_experts_op = torch.library.custom_op("moekit::experts", _experts_forward, mutates_args=())
 
 
 @_experts_op.register_fake
@@ -375,9 +450,9 @@ def _experts_backward_op(
         down_proj_scale_inv,
     )
     config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
-    problem = _problem(tensors, config)
-    name = backend.encode()
-    workspace, address, nbytes = _prepare(problem, name, True, hidden_states.device)
+    problem, views = _problem(tensors, config)
+    name = _encoded(backend)
+    workspace, address, nbytes = _prepare(problem, views, name, True, tensors, config, hidden_states.device)
     grads = [
         _empty_like(hidden_states),
         _empty_like(top_k_weights),
@@ -386,17 +461,17 @@ def _experts_backward_op(
         _empty_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
         _empty_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
     ]
-    views = _capi.ExpertsGradients()
-    views.hidden_states = _view(grads[0], "hidden_states")
-    views.top_k_weights = _view(grads[1], "top_k_weights")
-    views.gate_up_proj = _view(grads[2], "gate_up_proj")
-    views.down_proj = _view(grads[3], "down_proj")
-    if has_bias:
-        views.gate_up_proj_bias = _view(grads[4], "gate_up_proj_bias")
-        views.down_proj_bias = _view(grads[5], "down_proj_bias")
+    grad_views = _capi.gradients((
+        _view(grads[0], "hidden_states"),
+        _view(grads[1], "top_k_weights"),
+        _view(grads[2], "gate_up_proj"),
+        _view(grads[3], "down_proj"),
+        _view(grads[4], "gate_up_proj_bias") if has_bias else _ABSENT,
+        _view(grads[5], "down_proj_bias") if has_bias else _ABSENT,
+    ))
     with _on_device(hidden_states.device):
         _capi.experts_backward(
-            problem, name, _view(grad_out, "grad_out"), views, address, nbytes, _stream(hidden_states.device)
+            problem, name, _view(grad_out, "grad_out"), grad_views, address, nbytes, _stream(hidden_states.device)
         )
     del workspace
     return tuple(grads)
@@ -504,7 +579,7 @@ def experts(
             gate_up_proj_bias = down_proj_bias.new_zeros((gate_up_proj.shape[0], n))
         else:
             down_proj_bias = gate_up_proj_bias.new_zeros((down_proj.shape[0], hidden_states.shape[-1]))
-    return _experts_op(
+    args = (
         hidden_states,
         top_k_index,
         top_k_weights,
@@ -523,6 +598,29 @@ def experts(
         float(swiglu_limit) if swiglu_limit is not None else None,
         weight_format,
     )
+    if _runs_directly(args[:_TENSOR_INPUTS]):
+        return _experts_forward(*args)
+    return _experts_op(*args)
+
+
+# Tensor types the op's body takes as they are: Parameter only marks a tensor as a module's weight.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _runs_directly(tensors) -> bool:
+    """Whether experts() may call the op's body itself rather than through torch's dispatcher, which costs
+    several times the kernels' time at one token. Only where the dispatcher would do nothing but call it:
+    not while torch.compile traces, no torch function or dispatch mode (fake tensors, functionalisation,
+    FlopCounterMode), no profiler (which names the op), no gradient to record, and plain cpu or cuda tensors
+    (not fake, meta or other subclasses)."""
+    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() != 0 or torch.autograd._profiler_enabled()):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TENSORS or t.is_meta or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

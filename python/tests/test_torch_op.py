@@ -690,6 +690,88 @@ class ArgumentTest(unittest.TestCase):
         self.assertIn("backward", str(e.exception))
 
 
+class DirectCallTest(unittest.TestCase):
+    """experts() calls the op's body itself where the dispatcher would only call it (no gradient, no
+    tracing, plain tensors), and remembers weights' views and workspace sizes: the same answers as the
+    dispatched op, and every change of the weights still seen."""
+
+    def setUp(self):
+        self.case = Case(T=6, H=32, I=16, E=4, K=2)
+        self.inputs = make_inputs(self.case, 77)
+
+    def _args(self, gate_up, down, backend="grouped_mm"):
+        i = self.inputs
+        return (i["x"], i["idx"], i["w"], gate_up, down, None, None, None, None, backend, "silu", True, False,
+                True, 1.702, None, "none")
+
+    def test_direct_call_equals_the_dispatched_op(self):
+        gate_up = torch.nn.Parameter(self.inputs["gate_up"].clone())
+        down = torch.nn.Parameter(self.inputs["down"].clone())
+        for backend in CPU_BACKENDS:
+            with self.subTest(backend=backend):
+                args = self._args(gate_up, down, backend)
+                with torch.no_grad():
+                    self.assertTrue(mt._runs_directly(args[:9]))
+                    direct = mt.experts(*args[:5], backend=backend)
+                    dispatched = torch.ops.moekit.experts(*args)
+                self.assertTrue(torch.equal(direct, dispatched))
+                # With gradients wanted the call goes through the op and its autograd.
+                self.assertFalse(mt._runs_directly(args[:9]))
+                out = mt.experts(*args[:5], backend=backend)
+                self.assertIsNotNone(out.grad_fn)
+                self.assertTrue(torch.equal(out.detach(), direct))
+
+    def test_fake_and_meta_tensors_go_through_the_op(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            i = {k: mode.from_tensor(v) if v is not None else None for k, v in self.inputs.items()}
+            with torch.no_grad():
+                out = mt.experts(i["x"], i["idx"], i["w"], i["gate_up"], i["down"])
+        self.assertEqual(type(out).__name__, "FakeTensor")
+        self.assertEqual(tuple(out.shape), (self.case.T, self.case.H))
+        meta = {k: v.to("meta") if v is not None else None for k, v in self.inputs.items()}
+        with torch.no_grad():
+            out = mt.experts(meta["x"], meta["idx"], meta["w"], meta["gate_up"], meta["down"])
+        self.assertTrue(out.is_meta)
+        self.assertEqual(tuple(out.shape), (self.case.T, self.case.H))
+
+    def test_remembered_views_follow_the_weights(self):
+        gate_up = torch.nn.Parameter(self.inputs["gate_up"].clone())
+        down = torch.nn.Parameter(self.inputs["down"].clone())
+
+        def run():
+            with torch.no_grad():
+                return mt.experts(self.inputs["x"], self.inputs["idx"], self.inputs["w"], gate_up, down)
+
+        def check(what):
+            got = run()
+            ref, _ = run_reference(self.case, dict(self.inputs, gate_up=gate_up.detach(), down=down.detach()))
+            assert_matches(self, got, ref, self.case.dtype, what)
+            return got
+
+        first = check("out")
+        self.assertTrue(torch.equal(run(), first))
+        # New memory behind the same Parameter object (.data = ...), then an in-place write.
+        gate_up.data = self.inputs["gate_up"].clone() * -2
+        self.assertFalse(torch.equal(check("out after .data ="), first))
+        with torch.no_grad():
+            down.mul_(0.5)
+        check("out after an in-place write")
+        # A view of the weights (another object over the same storage), and the weights again.
+        with torch.no_grad():
+            of_view = mt.experts(self.inputs["x"], self.inputs["idx"], self.inputs["w"], gate_up[:], down[:])
+        self.assertTrue(torch.equal(of_view, run()), "a view of the weights gave another result")
+
+    def test_refusals_are_not_remembered(self):
+        gate_up, down = self.inputs["gate_up"], self.inputs["down"]
+        for _ in range(2):
+            with self.assertRaises(moekit.Error) as e:
+                with torch.no_grad():
+                    mt.experts(self.inputs["x"], self.inputs["idx"], self.inputs["w"], gate_up, down, backend="deepgemm")
+            self.assertIn("deepgemm", str(e.exception))
+
+
 class PackageTest(unittest.TestCase):
     def test_version_and_names(self):
         self.assertEqual(moekit.__version__, "0.1.0")
