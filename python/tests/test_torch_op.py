@@ -328,28 +328,28 @@ class CudaContractTest(ContractTest, unittest.TestCase):
     def test_cuda_graph_capture_forward_backward(self):
         case = Case(T=24, H=64, I=48, E=6, K=2, dtype=torch.bfloat16, bias=True)
         inputs = make_inputs(case, 77, "cuda")
-        x = inputs["x"].clone().requires_grad_(True)
-        w = inputs["w"].clone().requires_grad_(True)
-        gate_up = inputs["gate_up"].clone().requires_grad_(True)
-        down = inputs["down"].clone().requires_grad_(True)
-        b1 = inputs["b1"].clone().requires_grad_(True)
-        b2 = inputs["b2"].clone().requires_grad_(True)
-        wrt = (x, w, gate_up, down, b1, b2)
 
-        def step():
+        def leaves():
+            return tuple(inputs[k].clone().requires_grad_(True) for k in ("x", "w", "gate_up", "down", "b1", "b2"))
+
+        def step(wrt):
+            x, w, gate_up, down, b1, b2 = wrt
             out = mt.experts(x, inputs["idx"], w, gate_up, down, gate_up_proj_bias=b1, down_proj_bias=b2, backend="grouped_mm")
             return (out,) + torch.autograd.grad(out, wrt, inputs["grad_out"])
 
-        eager = [t.clone() for t in step()]
+        # The eager run has leaves of its own: a leaf's gradient node remembers the stream it was first used
+        # on, and one used on the legacy default stream cannot take part in a capture.
+        eager = [t.clone() for t in step(leaves())]
         # Warm up on a side stream, as torch.cuda.graph's documentation asks, then capture.
+        wrt = leaves()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()
+            step(wrt)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = step()
+            captured = step(wrt)
         for t in captured:
             t.zero_()
         graph.replay()
