@@ -341,9 +341,28 @@ def measure_call_overhead(args, model, config, device, budget):
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / (captured * replays)
 
+    def c_call(backend):
+        # The C ABI's forward alone, its problem packed once: the library's host time (conversion, checks,
+        # launches) without the op's Python. Uses the package's internals, which only this table needs.
+        import moekit._capi as capi
+        import moekit.torch as mt
+
+        out = torch.empty_like(x)
+        tensors = (x, idx, w, experts.gate_up_proj, experts.down_proj, None, None, None, None)
+        config = ("silu", True, False, True, 1.702, None, "none")
+        problem, views = mt._problem(tensors, config)
+        name = backend.encode()
+        nbytes = capi.experts_workspace_bytes(problem, name, False)
+        workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        out_view = mt._view(out, "out")
+        stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
+        return lambda: capi.experts_forward(problem, name, out_view, workspace.data_ptr() if nbytes else 0, nbytes,
+                                            stream)
+
     rows = []
     for backend in ("batched_mm", "grouped_mm", "deepgemm", "sonicmoe"):
-        row = {"backend": backend, "op_loop_us": None, "adapter_loop_us": None, "graph_us": None, "error": ""}
+        row = {"backend": backend, "c_loop_us": None, "op_loop_us": None, "adapter_loop_us": None, "graph_us": None,
+               "error": ""}
         rows.append(row)
         if budget.left() <= 0:
             row["error"] = "skipped: --max-seconds spent"
@@ -352,6 +371,7 @@ def measure_call_overhead(args, model, config, device, budget):
         adapter = lambda: ALL_EXPERTS_FUNCTIONS[f"moekit_{backend}"](experts, x, idx, w)
         try:
             with torch.no_grad():
+                row["c_loop_us"] = per_call(c_call(backend)) * 1e6
                 row["op_loop_us"] = per_call(op) * 1e6
                 row["adapter_loop_us"] = per_call(adapter) * 1e6
                 if cuda:
@@ -359,8 +379,8 @@ def measure_call_overhead(args, model, config, device, budget):
         except Exception as e:
             row["error"] = short_error(e)
     # transformers' own batched_mm (its decode backend) on the same call, for scale.
-    row = {"backend": "transformers batched_mm", "op_loop_us": None, "adapter_loop_us": None, "graph_us": None,
-           "error": ""}
+    row = {"backend": "transformers batched_mm", "c_loop_us": None, "op_loop_us": None, "adapter_loop_us": None,
+           "graph_us": None, "error": ""}
     try:
         with torch.no_grad():
             row["adapter_loop_us"] = per_call(lambda: ALL_EXPERTS_FUNCTIONS["batched_mm"](experts, x, idx, w)) * 1e6
@@ -434,13 +454,14 @@ def print_tables(result, args):
         for backend, key, why in errors:
             print(f"- {backend} {key}: {why}")
     if result["call_overhead"]:
-        print("\n| experts call at 1 token (layer 0) | moekit.torch.experts loop µs/call | via the transformers "
-              "adapter µs/call | CUDA graph replay µs/call (kernels alone) | overhead µs (loop - graph) |")
-        print("| --- | --- | --- | --- | --- |")
+        print("\n| experts call at 1 token (layer 0) | C ABI call loop µs/call | moekit.torch.experts loop µs/call | "
+              "via the transformers adapter µs/call | CUDA graph replay µs/call (kernels alone) | overhead µs (loop - "
+              "graph) |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for r in result["call_overhead"]:
             overhead = r["op_loop_us"] - r["graph_us"] if r["op_loop_us"] is not None and r["graph_us"] is not None else None
-            print(f"| {r['backend']} | {fmt(r['op_loop_us'])} | {fmt(r['adapter_loop_us'])} | {fmt(r['graph_us'], 2)} | "
-                  f"{fmt(overhead)} |" + (f" {r['error']}" if r["error"] else ""))
+            print(f"| {r['backend']} | {fmt(r.get('c_loop_us'))} | {fmt(r['op_loop_us'])} | {fmt(r['adapter_loop_us'])} | "
+                  f"{fmt(r['graph_us'], 2)} | {fmt(overhead)} |" + (f" {r['error']}" if r["error"] else ""))
 
 
 def main(argv=None):
