@@ -13,7 +13,8 @@ bf16 with transformers' random initialisation, --layers layers (default 4; the r
 the experts are a larger share of the real model's time than of this one's lm_head-heavy copy). One model
 serves every backend: set_experts_implementation switches between them.
 
-For each experts backend, after warm-up (medians of --repeats, CUDA events):
+For each experts backend, after warm-up (medians of --repeats, CUDA events; --rounds rounds over the backends
+in turn, the median over rounds in the table):
   prefill    one forward over a 1 x --prompt-len prompt, logits of the last position only (as generate's
              prefill), tokens/s
   decode     generate(--new-tokens new tokens, greedy) from a batch x --decode-prompt-len prompt:
@@ -74,7 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--decode-batches", default=None, help="decode batch sizes (default 1,8)")
     p.add_argument("--train-batch", type=int, default=None, help="training sequences per step (default 4)")
     p.add_argument("--train-len", type=int, default=None, help="tokens per training sequence (default 512)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement, median (default 5)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement, median (default 3)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds over every backend, each backend measured once per round; the table holds the "
+                        "median over rounds (default 3), so that drift of the machine spreads over every row")
     p.add_argument("--calls", type=int, default=200, help="calls per loop of the experts-call table")
     p.add_argument("--backends", default=",".join(MOEKIT_BACKENDS + TRANSFORMERS_BACKENDS + (OVERRIDDEN, NO_EXPERTS)),
                    help="experts implementations, in order")
@@ -87,9 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     defaults = (dict(layers=2, prompt_len=32, decode_prompt_len=8, new_tokens=4, decode_batches="1,2", train_batch=2,
-                     train_len=16, repeats=1) if args.tiny else
+                     train_len=16, repeats=1, rounds=1) if args.tiny else
                 dict(layers=4, prompt_len=2048, decode_prompt_len=64, new_tokens=32, decode_batches="1,8",
-                     train_batch=4, train_len=512, repeats=5))
+                     train_batch=4, train_len=512, repeats=3, rounds=3))
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -356,8 +360,11 @@ def measure_call_overhead(args, model, config, device, budget):
         workspace = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         out_view = mt._view(out, "out")
         stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
-        return lambda: capi.experts_forward(problem, name, out_view, workspace.data_ptr() if nbytes else 0, nbytes,
-                                            stream)
+        # The views hold bare addresses: out and workspace must live as long as the function.
+        def call(out=out, workspace=workspace):
+            capi.experts_forward(problem, name, out_view, workspace.data_ptr() if nbytes else 0, nbytes, stream)
+
+        return call
 
     rows = []
     for backend in ("batched_mm", "grouped_mm", "deepgemm", "sonicmoe"):
@@ -390,6 +397,24 @@ def measure_call_overhead(args, model, config, device, budget):
     return rows
 
 
+def median_row(rows):
+    """One backend's rounds as one row: the median of each measurement over the rounds that made it, the
+    errors of every round."""
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    row = {"backend": rows[0]["backend"], "prefill_tok_s": median(r["prefill_tok_s"] for r in rows),
+           "train_step_s": median(r["train_step_s"] for r in rows), "errors": {}}
+    for key in ("decode_tok_s", "compiled_decode_tok_s"):
+        batches = {b for r in rows for b in r[key]}
+        row[key] = {b: median(r[key].get(b) for r in rows) for b in sorted(batches, key=int)}
+    for r in rows:
+        for k, v in r["errors"].items():
+            row["errors"].setdefault(k, v)
+    return row
+
+
 def fmt(v, digits=1):
     return "—" if v is None else f"{v:.{digits}f}"
 
@@ -416,7 +441,7 @@ def print_tables(result, args):
           f"{m['hidden_size']}, {m['num_experts']} experts top-{m['top_k']}, I {m['moe_intermediate_size']}, vocab "
           f"{m['vocab_size']}, bf16, {result['environment']['device']}; prefill 1x{args.prompt_len}, decode "
           f"{args.new_tokens} new tokens after {args.decode_prompt_len}, train {args.train_batch}x{args.train_len} "
-          f"(AdamW); median of {args.repeats}; ratios: to transformers' best built-in backend (of "
+          f"(AdamW); each cell the median over {args.rounds} rounds of the median of {args.repeats}; ratios: to transformers' best built-in backend (of "
           f"{', '.join(TRANSFORMERS_BACKENDS)}) in the same column")
     head = ["experts backend", "prefill tok/s", "ratio"]
     for b in args.decode_batches:
@@ -497,16 +522,20 @@ def main(argv=None):
         "rows": [], "call_overhead": [],
     }
     try:
-        for label in args.backends:
-            t = time.perf_counter()
-            if label == OVERRIDDEN:
-                moekit_transformers.register(override_builtin=True)
-            try:
-                result["rows"].append(measure_backend(args, model, config, label, device, timer, budget))
-            finally:
+        rounds = {label: [] for label in args.backends}
+        for r in range(args.rounds):
+            for label in args.backends:
+                t = time.perf_counter()
                 if label == OVERRIDDEN:
-                    moekit_transformers.register(override_builtin=False)
-            print(f"  {label}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+                    moekit_transformers.register(override_builtin=True)
+                try:
+                    rounds[label].append(measure_backend(args, model, config, label, device, timer, budget))
+                finally:
+                    if label == OVERRIDDEN:
+                        moekit_transformers.register(override_builtin=False)
+                print(f"  round {r + 1}, {label}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        result["rounds"] = rounds
+        result["rows"] = [median_row(rows) for rows in rounds.values()]
         t = time.perf_counter()
         result["call_overhead"] = measure_call_overhead(args, model, config, device, budget)
         print(f"  experts calls: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)

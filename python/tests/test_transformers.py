@@ -609,6 +609,50 @@ def _add_cuda_fixture_tests():
 _add_cuda_fixture_tests()
 
 
+@unittest.skipUnless(HAS_CUDA, "no CUDA GPU (transformers quantises to FP8 at load only on a GPU)")
+class Fp8CheckpointCuda(Assertions):
+    """A model quantised to FP8 by transformers as it loads (FineGrainedFP8Config, 128 x 128 blocks, the
+    format of DeepSeek's and Qwen's FP8 checkpoints) runs its FP8Experts on moekit's FP8 kernels, through
+    FP8ExpertsInterface: its logits against the same loaded model with the plain-torch reading of moekit's
+    FP8 contract as its experts."""
+
+    def test_quantised_at_load_runs_on_moekit(self):
+        import tempfile
+
+        from transformers import FineGrainedFP8Config, Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(vocab_size=128, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                mlp_only_layers=[], tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        FP8ExpertsInterface.register("test_fp8_reference", fp8_reference_forward)
+        ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(3)).cuda()
+        with tempfile.TemporaryDirectory() as directory:
+            model.save_pretrained(directory)
+            quantised = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=torch.bfloat16, device_map="cuda", attn_implementation="eager",
+                # Only the experts: transformers' FP8 linear layers need the `kernels` package's kernels,
+                # which the GPU machine lacks, and they are not what this test is about.
+                quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128),
+                                                         modules_to_not_convert=["lm_head", ".*self_attn", "mlp.gate"]),
+                experts_implementation="moekit_grouped_mm").eval()
+        experts = [m for m in quantised.modules() if isinstance(m, FP8Experts)]
+        self.assertEqual(len(experts), 2, "transformers did not make FP8Experts of the experts")
+        self.assertEqual(experts[0].gate_up_proj.dtype, torch.float8_e4m3fn)
+        for backend in ("grouped_mm", "batched_mm", "deepgemm"):
+            with self.subTest(backend=backend):
+                quantised.set_experts_implementation(f"moekit_{backend}")
+                with counting_moekit_calls() as calls, torch.no_grad():
+                    ours = quantised(ids).logits[0].float()
+                self.assertEqual(calls, [backend] * 2, f"moekit ran {calls}")
+                quantised.set_experts_implementation("test_fp8_reference")
+                with torch.no_grad():
+                    reference = quantised(ids).logits[0].float()
+                self.assert_bf16_close(ours, reference, f"FP8 checkpoint, moekit_{backend}")
+
+
 @unittest.skipUnless(HAS_CUDA, "no CUDA GPU")
 class Fp8ExpertsCuda(Fp8Experts):
     device = "cuda"
