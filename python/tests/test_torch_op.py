@@ -600,6 +600,39 @@ class CompileTest(unittest.TestCase):
             self.assertTrue(torch.equal(got, want), f"{name}: compiled differs from eager")
 
 
+@unittest.skipUnless(HAS_CUDA, "no CUDA GPU")
+class CudaCompileTest(unittest.TestCase):
+    """torch.compile(mode="reduce-overhead") on CUDA: inductor with CUDA graphs around the op, as
+    transformers' generate() compiles a decode step over a static cache."""
+
+    def test_reduce_overhead_replays_cuda_graphs(self):
+        from torch._dynamo.utils import counters
+
+        case = Case(T=8, H=64, I=48, E=6, K=2, dtype=torch.bfloat16, sentinels=True)
+        inputs = make_inputs(case, 91, "cuda")
+        kwargs = op_kwargs(case, "grouped_mm")
+
+        def layer(x, idx, w, gate_up, down):
+            return mt.experts(x, idx, w, gate_up, down, **kwargs) * 2.0
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+        weights = (inputs["gate_up"].detach(), inputs["down"].detach())
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            # Warm-up, recording, then replays, each with new activations and routing weights.
+            for step in range(5):
+                x = torch.randn(case.T, case.H, generator=g).to("cuda", case.dtype)
+                w = torch.rand(case.T, case.K, generator=g).to("cuda", inputs["w"].dtype)
+                got = compiled(x, inputs["idx"], w, *weights).clone()
+                want = layer(x, inputs["idx"], w, *weights)
+                self.assertTrue(torch.equal(got, want), f"step {step}: the compiled layer differs from eager")
+        skips = dict(counters["inductor"])
+        self.assertFalse({k: v for k, v in skips.items() if "cudagraph_skips" in k},
+                         f"inductor did not use CUDA graphs: {skips}")
+
+
 class ArgumentTest(unittest.TestCase):
     def setUp(self):
         self.case = Case(T=3, H=16, I=8, E=3)
