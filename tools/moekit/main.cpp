@@ -1,12 +1,15 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <string>
 
 #include "moekit/commands.h"
 #include "moekit/error.h"
+#include "moekit/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"moekit: Mixture-of-Experts expert layers through interchangeable backends"};
+  app.set_version_flag("--version", std::string("moekit ") + moekit::version());
   app.require_subcommand(1);
   moekit::cli::add_backends_command(app);
   moekit::cli::add_experts_command(app);
