@@ -4,8 +4,9 @@
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moekit_grouped_mm")
     model.set_experts_implementation("moekit_batched_mm")
 
-Importing this module registers moekit_eager, moekit_batched_mm, moekit_grouped_mm, moekit_deepgemm and
-moekit_sonicmoe in transformers' ExpertsInterface (transformers.integrations.moe) and in its
+Importing this module registers moekit_eager, moekit_batched_mm, moekit_grouped_mm, moekit_deepgemm,
+moekit_sonicmoe and moekit_deepgemm_megamoe (which refuses, with its reason, until moekit has expert
+parallelism) in transformers' ExpertsInterface (transformers.integrations.moe) and in its
 FP8ExpertsInterface (transformers.integrations.finegrained_fp8). transformers calls a backend as
 fn(experts_module, hidden_states, top_k_index, top_k_weights); the function below reads the module's
 weights and flags (the attributes use_experts_implementation sets) and runs moekit.torch.experts, which is
@@ -36,7 +37,8 @@ from . import Error
 from . import torch as moekit_torch
 
 # moekit's backends, each registered as "moekit_<backend>".
-BACKENDS = ("eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe")
+# deepgemm_megamoe is expert-parallel across GPUs; until moekit has it, its name runs nothing and says why.
+BACKENDS = ("eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe", "deepgemm_megamoe")
 
 # transformers' own names that register(override_builtin=True) binds to moekit's backend of the same name.
 BUILTIN_NAMES = {

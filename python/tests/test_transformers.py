@@ -201,6 +201,13 @@ class Registration(Assertions):
                 self.assertIs(interface._global_mapping[f"moekit_{backend}"], mt.FORWARDS[backend])
         self.assertIs(ExpertsInterface._global_mapping["grouped_mm"], grouped_mm_experts_forward)
 
+    def test_megamoe_says_why_it_does_not_run(self):
+        model = load("qwen3_moe", "moekit_deepgemm_megamoe")
+        with self.assertRaises(moekit.Error) as caught, torch.no_grad():
+            model(prompt("qwen3_moe"))
+        self.assertIn("deepgemm_megamoe", str(caught.exception))
+        self.assertIn("expert parallelism", str(caught.exception))
+
     def test_unknown_name_lists_moekit_names(self):
         with self.assertRaises(ValueError) as caught:
             load("qwen3_moe", "moekit_no_such_backend")
