@@ -304,14 +304,23 @@ class _WorkspaceSizes:
 _workspace_sizes = _WorkspaceSizes()
 
 
-def _prepare(problem, views, backend: bytes, backward: bool, tensors, config, device: torch.device):
-    """The backend's life before it runs (DESIGN §5): supports -> workspace. Returns the workspace tensor
-    (kept alive by the caller until the call is queued) and its address and size."""
-    nbytes = _workspace_sizes.get(problem, views, backend, backward, tensors, config)
+def _inputs(hidden_states, top_k_index, top_k_weights, *weights):
+    """The ops' nine tensors with the small per-token inputs made contiguous (the contract's layout); the
+    weights are never copied: a non-contiguous weight is refused by the library, naming it."""
+    return (hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), *weights)
+
+
+def _prepare(tensors, config, backend: str, backward: bool):
+    """The backend's life before it runs (DESIGN §5): the C problem, supports -> workspace. Returns the
+    problem, the backend's C name, the workspace tensor (kept alive by the caller until the call is queued)
+    and its address and size."""
+    problem, views = _problem(tensors, config)
+    name = _encoded(backend)
+    nbytes = _workspace_sizes.get(problem, views, name, backward, tensors, config)
     if nbytes == 0:
-        return None, 0, 0
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return workspace, workspace.data_ptr(), nbytes
+        return problem, name, None, 0, 0
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+    return problem, name, workspace, workspace.data_ptr(), nbytes
 
 
 def _stream(device: torch.device) -> int:
@@ -362,30 +371,15 @@ def _experts_forward(
     swiglu_limit: Optional[float],
     weight_format: str,
 ) -> Tensor:
-    # The small per-token inputs are made contiguous (the contract's layout); the weights never are
-    # copied: a non-contiguous weight is refused by the library, naming it.
-    hidden_states = hidden_states.contiguous()
-    top_k_index = top_k_index.contiguous()
-    top_k_weights = top_k_weights.contiguous()
+    tensors = _inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
+                      down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv)
+    hidden_states = tensors[0]
     out = _empty_like(hidden_states)
     if _no_tokens(hidden_states):
         return out
-    tensors = (
-        hidden_states,
-        top_k_index,
-        top_k_weights,
-        gate_up_proj,
-        down_proj,
-        gate_up_proj_bias,
-        down_proj_bias,
-        gate_up_proj_scale_inv,
-        down_proj_scale_inv,
-    )
     config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
-    problem, views = _problem(tensors, config)
-    name = _encoded(backend)
+    problem, name, workspace, address, nbytes = _prepare(tensors, config, backend, False)
     device = hidden_states.device
-    workspace, address, nbytes = _prepare(problem, views, name, False, tensors, config, device)
     with _on_device(device):
         _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(device))
     del workspace  # freed stream-ordered after the queued call
@@ -424,9 +418,9 @@ def _experts_backward_op(
     """Gradients for (hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
     down_proj_bias); the bias gradients are empty tensors when there are no biases."""
     grad_out = grad_out.contiguous()
-    hidden_states = hidden_states.contiguous()
-    top_k_index = top_k_index.contiguous()
-    top_k_weights = top_k_weights.contiguous()
+    tensors = _inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
+                      down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv)
+    hidden_states, _, top_k_weights = tensors[:3]
     has_bias = gate_up_proj_bias is not None
     if _no_tokens(hidden_states):
         # No token reached a weight: their gradients are zero.
@@ -438,21 +432,8 @@ def _experts_backward_op(
             torch.zeros_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
             torch.zeros_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
         )
-    tensors = (
-        hidden_states,
-        top_k_index,
-        top_k_weights,
-        gate_up_proj,
-        down_proj,
-        gate_up_proj_bias,
-        down_proj_bias,
-        gate_up_proj_scale_inv,
-        down_proj_scale_inv,
-    )
     config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
-    problem, views = _problem(tensors, config)
-    name = _encoded(backend)
-    workspace, address, nbytes = _prepare(problem, views, name, True, tensors, config, hidden_states.device)
+    problem, name, workspace, address, nbytes = _prepare(tensors, config, backend, True)
     grads = [
         _empty_like(hidden_states),
         _empty_like(top_k_weights),
