@@ -32,6 +32,9 @@
 # NAME@VAR=value runs that binary under the assignment (a variant's switch).
 # ab_raw.log (under $OUT) is written as the sides run, so a run cut short still leaves its times there;
 # clocks.log holds the SM clock and power sampled meanwhile, summarised at the end of ab.log.
+# backward: the backward harness and the backward's CUDA-graph test on CUDA (BACKWARD_FILTER: a gtest filter within
+# them, default every backend), then `moekit bench --backward` (BACKWARD_BENCH_ARGS, default the Qwen3-30B-A3B and
+# DeepSeek-V3 shapes at 4,096 and 16,384 tokens, grouped_mm beside the Hopper backends).
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -66,6 +69,15 @@ if [[ $what == decode || $what == all ]]; then
       MOEKIT_BATCHED_MM_TENSOR_CORES=0 decode --weights "$weights"
     fi
   done 2>&1 | tee "$out/decode.log"
+fi
+if [[ $what == backward ]]; then
+  ./gpu-bundle/moekit_tests --gtest_filter="${BACKWARD_FILTER:-Cuda/ExpertsBackwardHarness.*:*BackwardCudaGraph*}" \
+    --gtest_brief=1 2>&1 | tee "$out/backward_tests.log" | tail -40
+  status=${PIPESTATUS[0]}
+  # shellcheck disable=SC2086
+  ./gpu-bundle/moekit bench --device cuda --backward ${BACKWARD_BENCH_ARGS:---shape qwen3-30b-a3b,deepseek-v3 \
+    --tokens 4096,16384 --backends grouped_mm,deepgemm,sonicmoe --max-seconds-per-case 2} \
+    --json "$out/bench_backward.json" 2>&1 | tee "$out/bench_backward.log"
 fi
 if [[ $what == gemm || $what == all ]]; then
   ./gpu-bundle/moekit bench-gemm --device cuda ${GEMM_ARGS:-} --json "$out/bench_gemm.json" 2>&1 | tee "$out/bench_gemm.log"

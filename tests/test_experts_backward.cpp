@@ -282,10 +282,11 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
 }
 
 // The unquantised cases (FP8 / FP4 training is out of scope; BackwardRefusals checks that they are refused)
-// for the portable backends on each device; a device this machine lacks gets one skipping test per backend.
+// for every backend with a backward on each device; a device this machine lacks (or one the Hopper backends do not
+// run on) gets one skipping test per backend, and a case a Hopper backend refuses skips with its reason.
 std::vector<BackwardParam> backward_params(Device device) {
   std::vector<BackwardParam> params;
-  for (const char* backend : {"eager", "batched_mm", "grouped_mm"}) {
+  for (const char* backend : {"eager", "batched_mm", "grouped_mm", "deepgemm", "sonicmoe"}) {
     if (device_skip_reason(backend, device)) {
       params.push_back({backend, device, {"not_run_on_this_device", {}, {}}});
       continue;

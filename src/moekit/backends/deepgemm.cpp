@@ -10,11 +10,13 @@ namespace {
 
 class DeepGemm final : public HopperBackend {
  public:
-  DeepGemm() : HopperBackend(MOEKIT_CUDA_FORWARD_KERNELS(deepgemm)) {}
+  DeepGemm() : HopperBackend(MOEKIT_CUDA_HOPPER_KERNELS(deepgemm)) {}
   std::string_view name() const override { return "deepgemm"; }
   std::string_view description() const override {
     return "TMA + wgmma grouped GEMM for Hopper (sm_90a), rows padded per expert to 128, activation fused; bf16 "
-           "and FP8 block-scaled experts; at decode sizes batched_mm's weight-streaming kernels";
+           "and FP8 block-scaled experts; at decode sizes batched_mm's weight-streaming kernels; backward (bf16/f16): "
+           "the "
+           "Hopper wgmma backward sonicmoe runs";
   }
 
  protected:

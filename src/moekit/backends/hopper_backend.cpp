@@ -68,4 +68,35 @@ void HopperBackend::forward(const ExpertsProblem& p, Tensor& out, void* workspac
 #endif
 }
 
+Support HopperBackend::supports_backward(const ExpertsProblem& p) const {
+  if (p.config.quantization.quantized())
+    return Support::no(
+        "quantised experts (" + p.config.quantization.describe() +
+        ") have no backward: FP8 / FP4 training is out of scope; dequantise the weights to bf16 to train");
+  if (Support s = supports(p); !s) return s;
+#if MOEKIT_HAS_CUDA
+  if (cuda_.backward == nullptr) return Support::no("the CUDA backward of '" + std::string(name()) + "' is not built");
+#endif
+  return Support::yes();
+}
+
+std::size_t HopperBackend::backward_workspace_bytes(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  return cuda_.backward_workspace_bytes(cuda_backward_args(p));
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+void HopperBackend::backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGradients& grads, void* workspace,
+                             Stream stream) {
+#if MOEKIT_HAS_CUDA
+  cuda_.backward(cuda_backward_args(p, &grad_out, &grads), workspace, cuda_stream(stream));
+#else
+  (void)p, (void)grad_out, (void)grads, (void)workspace, (void)stream;
+  MOEKIT_FAIL(name(), ": ", kNoCudaReason);
+#endif
+}
+
 }  // namespace moekit::backends

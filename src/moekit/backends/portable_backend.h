@@ -73,20 +73,24 @@ class PortableBackend : public ExpertsBackend {
 #endif
 };
 
-// The CUDA entry points of a backend, or nothing in a CPU-only build; MOEKIT_CUDA_FORWARD_KERNELS for a backend
-// whose kernels have no backward (the Hopper backends: supports_backward refuses them).
+// The CUDA entry points of a backend, or nothing in a CPU-only build; MOEKIT_CUDA_HOPPER_KERNELS for the Hopper
+// backends, whose forwards differ and whose backward is one.
 #if MOEKIT_HAS_CUDA
 #define MOEKIT_CUDA_KERNELS(name)                                                                 \
   {                                                                                               \
     &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::name##_backward_workspace_bytes, \
         &cuda::name##_backward                                                                    \
   }
-#define MOEKIT_CUDA_FORWARD_KERNELS(name) \
-  { &cuda::name##_workspace_bytes, &cuda::name##_forward }
+// A Hopper backend: its forward, and the Hopper backward both share.
+#define MOEKIT_CUDA_HOPPER_KERNELS(name)                                                          \
+  {                                                                                               \
+    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::hopper_backward_workspace_bytes, \
+        &cuda::hopper_backward                                                                    \
+  }
 #else
-#define MOEKIT_CUDA_KERNELS(name) \
+#define MOEKIT_CUDA_HOPPER_KERNELS(name) \
   {}
-#define MOEKIT_CUDA_FORWARD_KERNELS(name) \
+#define MOEKIT_CUDA_KERNELS(name) \
   {}
 #endif
 

@@ -10,11 +10,12 @@ namespace {
 
 class SonicMoe final : public HopperBackend {
  public:
-  SonicMoe() : HopperBackend(MOEKIT_CUDA_FORWARD_KERNELS(sonicmoe)) {}
+  SonicMoe() : HopperBackend(MOEKIT_CUDA_HOPPER_KERNELS(sonicmoe)) {}
   std::string_view name() const override { return "sonicmoe"; }
   std::string_view description() const override {
     return "fused routed forward for Hopper: gather in the operand load, activation and routing weight fused; "
-           "at decode sizes batched_mm's weight-streaming kernels";
+           "at decode sizes batched_mm's weight-streaming kernels; backward: the Hopper wgmma backward (gathers in "
+           "the operand loads, the activation's backward in an epilogue)";
   }
 };
 

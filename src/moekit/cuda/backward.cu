@@ -52,15 +52,18 @@ __global__ void __launch_bounds__(256)
   if (r < pairs) row_token[r] = static_cast<int32_t>(token_of_pair(row_pair[r], top_k));
 }
 
-// Routes the pairs (the forward's routing, in the workspace) and finds each row's token.
-void route_rows(BackwardProblem& p, void* workspace, cudaStream_t stream) {
-  route_on_device(p.b.a, kTileRows, static_cast<char*>(workspace) + kRoutingOffset, p.r, stream);
+}  // namespace
+
+void route_backward_rows(BackwardProblem& p, void* workspace, int tile_rows, cudaStream_t stream) {
+  route_on_device(p.b.a, tile_rows, static_cast<char*>(workspace) + kRoutingOffset, p.r, stream);
   const int64_t P = p.b.a.tokens * p.b.a.top_k;
   if (P == 0) return;
   row_tokens_kernel<<<static_cast<unsigned>((P + 255) / 256), 256, 0, stream>>>(p.r.row_pair, P, p.b.a.top_k,
                                                                                 p.row_token);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
+
+namespace {
 
 // grad_routing_weights[p], a warp a pair: zero at a sentinel, NaN at an invalid (negative) id, otherwise the row's
 // partial sums of G * act(z) in column-block order plus <grad_out[t], b2_e> (the expert output's bias term).
@@ -95,8 +98,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_gradient_kernel(const 
     static_cast<T*>(p.b.grad_routing_weights)[pair] = from_f<T>(gradient);
 }
 
-// grad_x (the rows dx summed over k in order: the forward's combine, unweighted; NaN for a token with an invalid
-// id) and grad_routing_weights, once dx and the partial sums are written.
+}  // namespace
+
+// grad_x: the forward's combine, unweighted (NaN for a token with an invalid id).
 void finish_token_gradients(const BackwardProblem& p, cudaStream_t stream) {
   ExpertsArgs combine = p.b.a;
   combine.out = p.b.grad_x;
@@ -111,10 +115,12 @@ void finish_token_gradients(const BackwardProblem& p, cudaStream_t stream) {
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
 // grouped_mm's and batched_mm's backward: every launch covers the worst case of the routing, idle blocks exit.
 void backward_on_device_schedule(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream) {
   BackwardProblem p = backward_buffers(b, workspace);
-  route_rows(p, workspace, stream);
+  route_backward_rows(p, workspace, kTileRows, stream);
   const int64_t P = b.a.tokens * b.a.top_k;
   const int64_t max_tiles = (P + kTileRows - 1) / kTileRows + std::min(b.a.experts, P);
   launch_row_product(p, RowProduct::up, max_tiles, stream);
@@ -171,7 +177,7 @@ std::size_t eager_backward_workspace_bytes(const ExpertsBackwardArgs& b) {
 void eager_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream) {
   const ExpertsArgs& a = b.a;
   BackwardProblem p = backward_buffers(b, workspace);
-  route_rows(p, workspace, stream);
+  route_backward_rows(p, workspace, kTileRows, stream);
   std::vector<int32_t> offsets(static_cast<std::size_t>(a.experts + 1));
   MOEKIT_CUDA_CHECK(
       cudaMemcpyAsync(offsets.data(), p.r.offsets, offsets.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));

@@ -45,12 +45,69 @@ __device__ __forceinline__ int64_t token_of_pair(int64_t pair, int64_t top_k) {
   return static_cast<int32_t>(pair) / static_cast<int32_t>(top_k);
 }
 
+// The activation at (gate, up) and its partial derivatives (reference_activation_derivatives in float): a clamp
+// that is active passes no gradient (GPT-OSS: gate > limit, |up| > limit), at the limit it does, as torch's clamp.
+// The values are those of activate() (device_math.cuh), which the forward applies.
+struct ActivationGradient {
+  float value, d_gate, d_up;
+};
+
+__device__ __forceinline__ ActivationGradient activation_gradient(const ExpertsArgs& a, float g, float u) {
+  if (a.act == Act::clamped_swiglu) {
+    const float limit = a.swiglu_limit, alpha = a.swiglu_alpha;
+    const float gc = fminf(g, limit), uc = fminf(fmaxf(u, -limit), limit);
+    const float s = sigmoid(alpha * gc);
+    return {(uc + 1.0f) * gc * s, g <= limit ? (uc + 1.0f) * s * (1.0f + alpha * gc * (1.0f - s)) : 0.0f,
+            fabsf(u) <= limit ? gc * s : 0.0f};
+  }
+  float h = 0.0f, dh = 0.0f;
+  switch (a.act) {
+    case Act::silu: {
+      const float s = sigmoid(g);
+      h = g * s;
+      dh = s * (1.0f + g * (1.0f - s));
+      break;
+    }
+    case Act::gelu: {
+      const float cdf = 0.5f * (1.0f + erff(g * 0.70710678118654752f));
+      h = g * cdf;
+      dh = cdf + g * 0.39894228040143268f * expf(-0.5f * g * g);  // 1 / sqrt(2 pi)
+      break;
+    }
+    case Act::gelu_tanh: {
+      constexpr float k = 0.79788456080286536f, c = 0.044715f;
+      const float th = tanhf(k * (g + c * g * g * g));
+      h = 0.5f * g * (1.0f + th);
+      dh = 0.5f * (1.0f + th) + 0.5f * g * (1.0f - th * th) * k * (1.0f + 3.0f * c * g * g);
+      break;
+    }
+    case Act::relu:
+      h = fmaxf(g, 0.0f);
+      dh = g > 0.0f ? 1.0f : 0.0f;
+      break;
+    case Act::relu2:
+      h = g > 0.0f ? g * g : 0.0f;
+      dh = g > 0.0f ? 2.0f * g : 0.0f;
+      break;
+    case Act::clamped_swiglu:
+      break;  // above
+  }
+  if (!a.has_gate) return {h, dh, 0.0f};
+  return {h * u, dh * u, h};
+}
+
 // Device bytes of the routing and the buffers above for one call, and the problem carved out of workspace.
 std::size_t backward_buffers_bytes(const ExpertsBackwardArgs& b);
 BackwardProblem backward_buffers(const ExpertsBackwardArgs& b, void* workspace);
 
 // Column blocks of G in the down_gradient product (route_partials holds one sum per row and block), by kernel.
 int64_t route_partial_blocks(const ExpertsArgs& a, bool tensor_cores);
+
+// Routes the pairs (the forward's device routing, in tiles of tile_rows rows) into p.r and finds each sorted row's
+// token (p.row_token).
+void route_backward_rows(BackwardProblem& p, void* workspace, int tile_rows, cudaStream_t stream);
+// grad_x (the rows dx summed over k in order) and grad_routing_weights, once dx and the partial sums are written.
+void finish_token_gradients(const BackwardProblem& p, cudaStream_t stream);
 
 // One row product over max_tiles row tiles of all experts (only_expert < 0) or over one expert's tiles.
 void launch_row_product(const BackwardProblem& p, RowProduct product, int64_t max_tiles, cudaStream_t stream);

@@ -96,6 +96,11 @@ void deepgemm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 // sonicmoe: the same kernels with the token gather in the first GEMM and the routing weight in the second.
 std::size_t sonicmoe_workspace_bytes(const ExpertsArgs& a);
 void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream);
+// The backward of both Hopper backends (sm90_backward.cu): the portable backward's pipeline with its products on
+// wgmma, token rows gathered in the operand loads, the activation's backward in an epilogue (bf16/f16,
+// untransposed, H and I multiples of 8, 16-byte aligned; the backends check). No host synchronisation.
+std::size_t hopper_backward_workspace_bytes(const ExpertsBackwardArgs& b);
+void hopper_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream);
 // Whether the Hopper kernels run this problem on the current device (grouped_mm uses them there): bf16/f16,
 // untransposed, H and I multiples of 8 (FP8: of 128), never FP4, and no hopper_alignment_refusal.
 bool hopper_gemm_runs(const ExpertsArgs& a);

@@ -1,0 +1,142 @@
+// The backward of the Hopper backends (deepgemm, sonicmoe) on sm_90a: the portable backward's pipeline and buffers
+// (backward.cuh: routing, z, G with dz / wa / the routing-weight partial sums, dx, the combine over k, the weight
+// and bias gradients) with its five products on wgmma (sm90_backward_gemm.cuh), every token row gathered in the
+// operand load and the activation's backward fused into G's epilogue:
+//   z         = x[t] @ up_e^T + b1   rows grouping, A x (K-major, gathered), B up_e [N, H] (K-major)
+//   G         = grad_out[t] @ down_e rows grouping, A grad_out (K-major, gathered), B down_e [H, I] (MN-major)
+//   dx        = dz @ up_e            rows grouping, A dz (K-major), B up_e [N, H] (MN-major)
+//   grad_up_e = dz_e^T x_e           depth grouping, A dz (MN-major), B x (MN-major, gathered)
+//   grad_down_e = grad_out_e^T wa_e  depth grouping, A grad_out (MN-major, gathered), B wa (MN-major)
+// Launches are sized from host-known bounds and read the tile counts on the device: no host synchronisation, no
+// allocation, so a training step captures in a CUDA graph.
+#include <algorithm>
+
+#include "moekit/cuda/cuda_check.h"
+#include "moekit/cuda/sm90_backward_gemm.cuh"
+#include "moekit/cuda/tensor_map.h"
+
+namespace moekit::cuda {
+namespace {
+
+using sm90_backward::Epilogue;
+using sm90_backward::Grouping;
+using sm90_backward::Major;
+using sm90_backward::Operand;
+using sm90_backward::Params;
+
+// The copy engine's view of a tensor [experts][rows][columns] (experts 1 for a plain matrix) in 64 x 64 boxes of
+// 128-byte swizzled rows: what the kernel reads as K-major chunks (box rows are rows of m or n) or MN-major ones
+// (box rows are rows of k).
+CUtensorMap chunk_map(const void* base, DType dtype, int64_t columns, int64_t rows, int64_t experts) {
+  const auto row_bytes = static_cast<uint64_t>(columns) * dtype_size(dtype);
+  TensorMapShape s;
+  s.rank = 3;
+  s.sizes = {static_cast<uint64_t>(columns), static_cast<uint64_t>(std::max<int64_t>(rows, 1)),
+             static_cast<uint64_t>(std::max<int64_t>(experts, 1)), 0, 0};
+  s.strides = {row_bytes, row_bytes * static_cast<uint64_t>(std::max<int64_t>(rows, 1)), 0, 0};
+  s.box = {sm90_backward::kChunkRows, sm90_backward::kChunkRows, 1, 0, 0};
+  return make_tensor_map(base, dtype, s);
+}
+
+// The A and B maps of a launch; a gathered operand, which the kernel never reads by map, gets any valid one.
+struct Maps {
+  CUtensorMap a, b;
+};
+
+template <typename T, Major kA, Major kB, bool kGatherA, bool kGatherB, Grouping kGroup, Epilogue kEpi>
+void launch(const Maps& maps, const Params& p, int64_t max_units, cudaStream_t stream) {
+  if (max_units <= 0) return;
+  auto* kernel = sm90_backward::backward_gemm_kernel<T, kA, kB, kGatherA, kGatherB, kGroup, kEpi>;
+  allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), sm90_backward::kSmemBytes);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(max_units, multiprocessor_count()));
+  kernel<<<blocks, sm90_backward::kThreads, sm90_backward::kSmemBytes, stream>>>(maps.a, maps.b, p);
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
+int blocks_of(int64_t size, int64_t block) {
+  return static_cast<int>((size + block - 1) / block);
+}
+
+template <typename T>
+void backward_typed(BackwardProblem& p, cudaStream_t stream) {
+  const ExpertsArgs& a = p.b.a;
+  const int64_t P = a.tokens * a.top_k, H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
+  // Row tiles in the worst case: every expert's last tile partly filled.
+  const int64_t max_tiles = (P + sm90_backward::kBlockM - 1) / sm90_backward::kBlockM + std::min(a.experts, P);
+  Params base;
+  base.a = a;
+  base.r = p.r;
+  const DType t = a.dtype;
+  const int64_t E = a.experts, rows = std::max<int64_t>(P, 1);
+  const CUtensorMap up_map = chunk_map(a.up, t, H, N, E), down_map = chunk_map(a.down, t, I, H, E);
+  const CUtensorMap dz_map = chunk_map(p.dz, t, N, rows, 1), wa_map = chunk_map(p.wa, t, I, rows, 1);
+
+  Params z = base;  // z = x @ up_e^T + b1, float
+  z.A = Operand{a.x, H, 0, p.row_token, H};
+  z.B = Operand{a.up, H, N * H, nullptr, H};
+  z.n = N, z.k = H, z.n_blocks = blocks_of(N, sm90_backward::kBlockN);
+  z.out = p.z, z.ld_out = N;
+  launch<T, Major::k, Major::k, true, false, Grouping::rows, Epilogue::store_float>({up_map, up_map}, z,
+                                                                                    max_tiles * z.n_blocks, stream);
+
+  Params g = base;  // G = grad_out @ down_e, into dz, wa and the partial sums
+  g.A = Operand{p.b.grad_out, H, 0, p.row_token, H};
+  g.B = Operand{a.down, I, H * I, nullptr, I};
+  g.n = I, g.k = H, g.n_blocks = blocks_of(I, sm90_backward::kBlockN);
+  g.z = p.z, g.dz = p.dz, g.wa = p.wa, g.route_partials = p.route_partials, g.partial_blocks = p.partial_blocks;
+  launch<T, Major::k, Major::mn, true, false, Grouping::rows, Epilogue::activation_gradient>(
+      {down_map, down_map}, g, max_tiles * g.n_blocks, stream);
+
+  Params dx = base;  // dx = dz @ up_e
+  dx.A = Operand{p.dz, N, 0, nullptr, N};
+  dx.B = Operand{a.up, H, N * H, nullptr, H};
+  dx.n = H, dx.k = N, dx.n_blocks = blocks_of(H, sm90_backward::kBlockN);
+  dx.out = p.dx, dx.ld_out = H;
+  launch<T, Major::k, Major::mn, false, false, Grouping::rows, Epilogue::store_rows>({dz_map, up_map}, dx,
+                                                                                     max_tiles * dx.n_blocks, stream);
+
+  finish_token_gradients(p, stream);
+
+  Params up = base;  // grad_up_e [N, H] = dz_e^T x_e
+  up.A = Operand{p.dz, N, 0, nullptr, N};
+  up.B = Operand{a.x, H, 0, p.row_token, H};
+  up.m = N, up.n = H, up.m_blocks = blocks_of(N, sm90_backward::kBlockM),
+  up.n_blocks = blocks_of(H, sm90_backward::kBlockN);
+  up.out = p.b.grad_up, up.ld_out = H, up.out_expert_stride = N * H;
+  launch<T, Major::mn, Major::mn, false, true, Grouping::depth, Epilogue::store_weights>(
+      {dz_map, dz_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
+
+  Params down = base;  // grad_down_e [H, I] = grad_out_e^T wa_e
+  down.A = Operand{p.b.grad_out, H, 0, p.row_token, H};
+  down.B = Operand{p.wa, I, 0, nullptr, I};
+  down.m = H, down.n = I, down.m_blocks = blocks_of(H, sm90_backward::kBlockM),
+  down.n_blocks = blocks_of(I, sm90_backward::kBlockN);
+  down.out = p.b.grad_down, down.ld_out = I, down.out_expert_stride = H * I;
+  launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights>(
+      {wa_map, wa_map}, down, a.experts * down.m_blocks * down.n_blocks, stream);
+
+  launch_bias_gradients(p, stream);
+}
+
+}  // namespace
+
+std::size_t hopper_backward_workspace_bytes(const ExpertsBackwardArgs& b) {
+  return backward_buffers_bytes(b);
+}
+
+void hopper_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream) {
+  const ExpertsArgs& a = b.a;
+  MOEKIT_CHECK((a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && !a.quantized() &&
+                   a.hidden % 8 == 0 && a.intermediate % 8 == 0 && !hopper_alignment_refusal(a),
+               "the Hopper backward: problem outside the supported set (checked by the backend's supports_backward())");
+  BackwardProblem p = backward_buffers(b, workspace);
+  MOEKIT_CHECK(p.tensor_cores, "the Hopper backward needs 16-byte aligned operands, gradients and workspace");
+  route_backward_rows(p, workspace, sm90_backward::kBlockM, stream);
+  p.partial_blocks = blocks_of(a.intermediate, sm90_backward::kBlockN);
+  if (a.dtype == DType::bf16)
+    backward_typed<bf16>(p, stream);
+  else
+    backward_typed<f16>(p, stream);
+}
+
+}  // namespace moekit::cuda

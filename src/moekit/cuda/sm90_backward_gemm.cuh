@@ -1,0 +1,487 @@
+// The grouped GEMMs of the Hopper backward (sm90_backward.cu): C[m, n] = sum_k A[m, k] B[n, k] with wgmma over
+// the backward's sorted rows (backward.cuh: row r of the sorted order is pair row_pair[r], the rows of expert e
+// are [offsets[e], offsets[e + 1]), unpadded), in one of two groupings:
+//   rows:  the row products (z, G, dx). A 128-row tile of one expert (the routing's 128-row tile schedule; its
+//          rows past the expert's end are computed from zeros and never stored) times that expert's B.
+//   depth: the weight gradients. C_e [m, n] = sum over the expert's rows r of A[r, m] B[r, n]: the reduction runs
+//          over the expert's rows in order, 64 a stage, rows past its end read as zeros.
+// Each operand is read in the orientation it has in memory, as 128-byte rows of a 128-byte-swizzled stage:
+//   K-major:  operand rows are rows of m (or n), 64 k values each (x, grad_out, dz as A; up_proj as B of z);
+//   MN-major: operand rows are rows of k, 64 m (or n) values each (down_proj and up_proj as B of G and dx, every
+//             operand of the weight gradients), which wgmma reads transposed.
+// Token rows (x, grad_out) are gathered by each sorted row's token in the load itself (cp.async, 16 bytes a thread of
+// the producer warpgroup's 128), the other operands come by the copy engine (TMA), and every copy past an operand's
+// rows or columns fills zeros, so no operand is ever copied or padded in memory. Both complete on the stage's "full"
+// mbarrier; the two math warpgroups take 64 rows of the 128-row tile each and release a stage through its "empty"
+// mbarrier.
+// Persistent: one block per multiprocessor walks the (tile, column block) units; the tile counts and each tile's
+// expert are read on the device, so the host never waits. Every sum runs in one fixed order (wgmma's accumulation
+// along k in order, then the epilogue's in column order): results are bitwise the same run to run.
+#pragma once
+
+#include <cuda.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cute/arch/copy_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <utility>
+
+#include "moekit/cuda/backward.cuh"
+#include "moekit/cuda/routing.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOEKIT_SM90A_BACKWARD_DEVICE 1
+#else
+#define MOEKIT_SM90A_BACKWARD_DEVICE 0
+#endif
+
+namespace moekit::cuda::sm90_backward {
+
+constexpr int kBlockM = 128;    // rows of a tile: two math warpgroups of 64
+constexpr int kBlockN = 256;    // columns of a tile
+constexpr int kStageK = 64;     // k of a stage: one 128-byte row of 2-byte values
+constexpr int kChunkRows = 64;  // a stage operand is chunks of 64 rows of 128 bytes (8 KB)
+constexpr int kChunkBytes = kChunkRows * 128;
+constexpr int kABytes = kBlockM * 128, kBBytes = kBlockN * 128, kStageBytes = kABytes + kBBytes;
+constexpr int kStages = 4;
+constexpr int kThreads = 384;  // the producer warpgroup and two math warpgroups
+constexpr int kProducerRegisters = 56, kMathRegisters = 224;
+constexpr std::size_t kSmemBytes = kStages * (kStageBytes + 16) + 1024;  // + the barriers, + alignment slack
+
+enum class Major : uint8_t { k, mn };
+enum class Grouping : uint8_t { rows, depth };
+enum class Epilogue : uint8_t {
+  store_float,          // z = C + b1 as float [P, N] (rows)
+  store_rows,           // dx = C in the dtype [P, H] (rows)
+  activation_gradient,  // C is G: dz, wa and the routing-weight gradient's partial sums (rows)
+  store_weights,        // C_e in the dtype at out + e * out_expert_stride (depth)
+};
+
+// Where an operand's 128-byte rows are: row i of its row space at base + row(i) * ld (+ the expert's offset with
+// rows grouping), row(i) = gather ? gather[i] : i; `columns` valid elements a row (past them: zeros).
+struct Operand {
+  const void* base = nullptr;
+  int64_t ld = 0;
+  int64_t expert_stride = 0;
+  const int32_t* gather = nullptr;
+  int64_t columns = 0;
+};
+
+struct Params {
+  ExpertsArgs a;
+  DeviceRouting r;  // offsets, tile_offsets (128-row tiles), row_pair
+  Operand A, B;
+  int64_t m = 0, n = 0, k = 0;  // rows grouping: n and k (m is the rows); depth grouping: m and n of each C_e
+  int m_blocks = 0, n_blocks = 0;
+  void* out = nullptr;
+  int64_t ld_out = 0, out_expert_stride = 0;
+  // activation_gradient
+  const float* z = nullptr;
+  void* dz = nullptr;
+  void* wa = nullptr;
+  float* route_partials = nullptr;
+  int64_t partial_blocks = 0;
+};
+
+template <typename T, Major kA, Major kB>
+struct Wgmma {
+  static constexpr auto kMajorA = kA == Major::k ? cute::SM90::GMMA::Major::K : cute::SM90::GMMA::Major::MN;
+  static constexpr auto kMajorB = kB == Major::k ? cute::SM90::GMMA::Major::K : cute::SM90::GMMA::Major::MN;
+  using type =
+      std::conditional_t<std::is_same_v<T, bf16>, cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<kMajorA, kMajorB>,
+                         cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<kMajorA, kMajorB>>;
+};
+
+// The shared-memory descriptor of an operand in 128-byte-swizzled rows. K-major: rows of 128 bytes of k, groups of
+// 8 rows 1,024 bytes apart. MN-major: chunks of [64 k rows][64 values], the 8-row groups along k 1,024 bytes apart
+// (stride offset) and the next 64 values of m or n a chunk (8 KB) on (leading offset).
+template <Major kMajor>
+__device__ __forceinline__ uint64_t descriptor(const void* p) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(p) >> 4);
+  d.bitfield.leading_byte_offset_ = kMajor == Major::k ? 1 : kChunkBytes >> 4;
+  d.bitfield.stride_byte_offset_ = 1024 >> 4;
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
+  return d.desc_;
+}
+// How far one k16 step moves a descriptor's address (16-byte units): 32 bytes along a K-major row, 16 rows of an
+// MN-major chunk.
+template <Major kMajor>
+constexpr uint32_t kK16Step = kMajor == Major::k ? 2 : (16 * 128) >> 4;
+
+template <typename Op, std::size_t... I>
+__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float* acc, bool accumulate, std::index_sequence<I...>) {
+  Op::fma(a, b, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// Accumulator element i of a 64 x N wgmma tile held by lane `lane` of warp `warp` (of 4): row and column.
+__device__ __forceinline__ int acc_row(int warp, int lane, int i) {
+  return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
+}
+__device__ __forceinline__ int acc_col(int lane, int i) {
+  return (i / 4) * 8 + (lane % 4) * 2 + (i & 1);
+}
+
+// One chunk of a stage (64 rows of 128 bytes) by cp.async, from the producer warpgroup: thread t copies 16-byte piece
+// t % 8 of chunk rows t / 8 + 16 j (j < 4), which are rows src_row[j] of the operand in memory (negative: zeros) from
+// column first_col + 8 (t % 8) on (columns at or past the operand's `columns`: zeros). The piece lands at the
+// 128-byte swizzle's place for its row (piece ^ row % 8).
+template <typename T>
+__device__ __forceinline__ void copy_chunk(uint8_t* chunk, const Operand& o, const T* base, const int32_t (&src_row)[4],
+                                           int64_t first_col) {
+  const int t = static_cast<int>(threadIdx.x % 128), piece = t % 8;
+  const int64_t col = first_col + piece * 8;
+  const bool col_ok = col < o.columns;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int r = t / 8 + 16 * j;
+    const bool ok = col_ok && src_row[j] >= 0;
+    cp_async16(chunk + r * 128 + ((piece ^ (r & 7)) * 16), ok ? base + int64_t{src_row[j]} * o.ld + col : base, ok);
+  }
+}
+
+// The memory rows of this producer thread's four chunk rows, rows first_row + t / 8 + 16 j of the operand's row
+// space, through its gather (negative past row_end).
+__device__ __forceinline__ void chunk_rows(const Operand& o, int64_t first_row, int64_t row_end,
+                                           int32_t (&src_row)[4]) {
+  const int t = static_cast<int>(threadIdx.x % 128);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t row = first_row + t / 8 + 16 * j;
+    src_row[j] = row < row_end ? (o.gather ? o.gather[row] : static_cast<int32_t>(row)) : -1;
+  }
+}
+
+__device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t phase) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n" ::"r"(
+          bar),
+      "r"(phase)
+      : "memory");
+}
+
+// A unit of work: its expert, the tile's rows (rows grouping) or m block (depth grouping), its column block, and
+// the k range: [0, k) for rows grouping, the expert's rows for depth grouping.
+struct Unit {
+  int64_t expert = 0;
+  int64_t row_begin = 0, row_end = 0;  // rows grouping: the tile's sorted rows
+  int64_t m0 = 0, n0 = 0;
+  int64_t k_begin = 0, k_end = 0;
+};
+
+template <Grouping kGroup>
+__device__ __forceinline__ int64_t unit_count(const Params& p) {
+  if constexpr (kGroup == Grouping::rows)
+    return int64_t{p.r.tile_offsets[p.a.experts]} * p.n_blocks;
+  else
+    return p.a.experts * p.m_blocks * p.n_blocks;
+}
+
+// Unit `u` of the block's walk (a whole warp calls it: the expert lookup is a warp's). `hint`: the expert of the
+// block's previous unit, where the lookup starts.
+template <Grouping kGroup>
+__device__ __forceinline__ Unit unit_of(const Params& p, int64_t u, int64_t& hint) {
+  Unit w;
+  if constexpr (kGroup == Grouping::rows) {
+    const int64_t tile = u / p.n_blocks;
+    w.n0 = (u % p.n_blocks) * kBlockN;
+    w.expert = expert_of_from_warp(p.r.tile_offsets, p.a.experts, tile, hint);
+    hint = w.expert;
+    w.row_begin = p.r.offsets[w.expert] + (tile - p.r.tile_offsets[w.expert]) * kBlockM;
+    w.row_end = min(w.row_begin + kBlockM, int64_t{p.r.offsets[w.expert + 1]});
+    w.k_begin = 0;
+    w.k_end = p.k;
+  } else {
+    const int64_t per_expert = int64_t{p.m_blocks} * p.n_blocks;
+    w.expert = u / per_expert;
+    const int64_t rest = u % per_expert;
+    w.m0 = (rest / p.n_blocks) * kBlockM;
+    w.n0 = (rest % p.n_blocks) * kBlockN;
+    w.k_begin = p.r.offsets[w.expert];
+    w.k_end = p.r.offsets[w.expert + 1];
+  }
+  return w;
+}
+
+// Stores a warpgroup's 64 rows of C (+ bias[col]) as O at out[row * ld + col] for rows below `rows` and columns
+// below `cols` (row and column relative to the warpgroup's first row and the tile's first column; cols even).
+template <typename O, typename T>
+__device__ __forceinline__ void store_tile(const float* acc, O* out, int64_t ld, int64_t rows, int64_t cols,
+                                           const T* bias) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; i += 2) {
+    const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
+    if (row >= rows || col >= cols) continue;
+    float v0 = acc[i], v1 = acc[i + 1];
+    if (bias) v0 += to_f(bias[col]), v1 += to_f(bias[col + 1]);
+    O* at = out + row * ld + col;
+    if constexpr (std::is_same_v<O, float>)
+      *reinterpret_cast<float2*>(at) = make_float2(v0, v1);
+    else
+      *reinterpret_cast<uint32_t*>(at) =
+          static_cast<uint32_t>(from_f<O>(v0).bits) | (static_cast<uint32_t>(from_f<O>(v1).bits) << 16);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pair(T* at, float x, float y) {
+  *reinterpret_cast<uint32_t*>(at) =
+      static_cast<uint32_t>(from_f<T>(x).bits) | (static_cast<uint32_t>(from_f<T>(y).bits) << 16);
+}
+
+// The down-projection gradient's epilogue: C = G = grad_out[t] @ down_e of the warpgroup's rows [row0, row0 + 64)
+// (sorted order, those below row_end) and the tile's columns n0.. of the intermediate. Per column j (backward.cuh):
+// dz at the weight's own rows, wa = w act(z), and the row's sum of G act(z) over the tile's columns (each thread's
+// columns in order, then the four threads of a row in a fixed tree) into route_partials[row][n0 / kBlockN].
+template <typename T>
+__device__ __forceinline__ void activation_gradient_epilogue(const Params& p, const float* acc, int64_t row0,
+                                                             int64_t row_end, int64_t n0) {
+  const ExpertsArgs& a = p.a;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int64_t I = a.intermediate, N = a.has_gate ? 2 * I : I;
+  float route[2], dot[2] = {0.0f, 0.0f};
+  bool valid[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = row0 + acc_row(warp, lane, 2 * h);
+    valid[h] = row < row_end;
+    route[h] = valid[h] ? load_routing_weight<T>(a, p.r.row_pair[row]) : 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; i += 2) {
+    const int h = (i >> 1) & 1;
+    const int64_t row = row0 + acc_row(warp, lane, i), j = n0 + acc_col(lane, i);
+    if (!valid[h] || j >= I) continue;
+    const float* z = p.z + row * N;
+    float zg[2], zu[2] = {0.0f, 0.0f};
+    if (!a.has_gate) {
+      const float2 v = *reinterpret_cast<const float2*>(z + j);
+      zg[0] = v.x, zg[1] = v.y;
+    } else if (a.concatenated) {
+      const float2 vg = *reinterpret_cast<const float2*>(z + j), vu = *reinterpret_cast<const float2*>(z + I + j);
+      zg[0] = vg.x, zg[1] = vg.y, zu[0] = vu.x, zu[1] = vu.y;
+    } else {
+      const float4 v = *reinterpret_cast<const float4*>(z + 2 * j);
+      zg[0] = v.x, zu[0] = v.y, zg[1] = v.z, zu[1] = v.w;
+    }
+    float d_gate[2], d_up[2], value[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const float g = acc[i + u];
+      const ActivationGradient d = activation_gradient(a, zg[u], zu[u]);
+      d_gate[u] = route[h] * g * d.d_gate;
+      d_up[u] = route[h] * g * d.d_up;
+      value[u] = d.value;
+      dot[h] = fmaf(g, d.value, dot[h]);
+    }
+    T* dz = static_cast<T*>(p.dz) + row * N;
+    if (!a.has_gate) {
+      store_pair(dz + j, d_gate[0], d_gate[1]);
+    } else if (a.concatenated) {
+      store_pair(dz + j, d_gate[0], d_gate[1]);
+      store_pair(dz + I + j, d_up[0], d_up[1]);
+    } else {
+      store_pair(dz + 2 * j, d_gate[0], d_up[0]);
+      store_pair(dz + 2 * j + 2, d_gate[1], d_up[1]);
+    }
+    store_pair(static_cast<T*>(p.wa) + row * I + j, route[h] * value[0], route[h] * value[1]);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float s = dot[h];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (lane % 4 == 0 && valid[h])
+      p.route_partials[(row0 + acc_row(warp, lane, 2 * h)) * p.partial_blocks + n0 / kBlockN] = s;
+  }
+}
+
+// kGatherA / kGatherB: the operand's rows are token rows gathered by cp.async (negative rows and columns past the
+// operand fill zeros); otherwise the copy engine (TMA) brings it through a_map / b_map, 3-D {columns, rows, experts}
+// with 64 x 64 boxes, except in a depth-grouped unit's last stage when it ends inside the stage: rows past the
+// expert's are another expert's, so that stage copies the operand by cp.async too, with zeros past the expert's rows.
+template <typename T, Major kA, Major kB, bool kGatherA, bool kGatherB, Grouping kGroup, Epilogue kEpi>
+__global__ void __launch_bounds__(kThreads, 1)
+    backward_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                         const __grid_constant__ Params p) {
+#if MOEKIT_SM90A_BACKWARD_DEVICE
+  static_assert(kGroup == Grouping::depth || kA == Major::k, "a row tile's rows are rows of A");
+  static_assert(kGroup == Grouping::depth || kB == Major::k || !kGatherB, "weights are never gathered");
+  static_assert(!kGatherA || kA == Major::mn || kGroup == Grouping::rows, "K-major gathered rows are a tile's");
+  static_assert((kGroup == Grouping::depth) == (kEpi == Epilogue::store_weights), "weight gradients group by depth");
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  extern __shared__ uint8_t smem_raw[];
+  // The 128-byte swizzle needs its stages 1 KB aligned.
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 128 + 1);  // a cp.async arrival per producer thread, and thread 0's expecting the copies
+      Barrier::init(&empty[s], 2);       // one arrival per math warpgroup
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const uint32_t full_at = cute::cast_smem_ptr_to_uint(full), empty_at = cute::cast_smem_ptr_to_uint(empty);
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  auto k_blocks_of = [](const Unit& w) { return (w.k_end - w.k_begin + kStageK - 1) / kStageK; };
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      if constexpr (!kGatherA) cute::prefetch_tma_descriptor(&a_map);
+      if constexpr (!kGatherB) cute::prefetch_tma_descriptor(&b_map);
+    }
+    constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+    constexpr int kAChunks = kBlockM / kChunkRows, kBChunks = kBlockN / kChunkRows;
+    const T* a_base = static_cast<const T*>(p.A.base);
+    int stage = 0;
+    uint32_t phase = 0;
+    int64_t hint = 0;
+    for (int64_t u = blockIdx.x, units = unit_count<kGroup>(p); u < units; u += gridDim.x) {
+      const Unit w = unit_of<kGroup>(p, u, hint);
+      const T* b_base = static_cast<const T*>(p.B.base) + (kGroup == Grouping::rows ? w.expert * p.B.expert_stride : 0);
+      const int e = kGroup == Grouping::rows ? static_cast<int>(w.expert) : 0;
+      // A row tile's gathered rows, the same for every stage of the unit.
+      int32_t tile_rows[kAChunks][4];
+      if constexpr (kGatherA && kA == Major::k)
+#pragma unroll
+        for (int c = 0; c < kAChunks; ++c) chunk_rows(p.A, w.row_begin + c * kChunkRows, w.row_end, tile_rows[c]);
+      for (int64_t kb = 0, blocks = k_blocks_of(w); kb < blocks; ++kb) {
+        wait_parity(empty_at + 8 * stage, phase ^ 1);
+        uint8_t* sa = smem + stage * kStageBytes;
+        uint8_t* sb = sa + kABytes;
+        const int64_t k0 = w.k_begin + kb * kStageK;
+        const bool partial = kGroup == Grouping::depth && k0 + kStageK > w.k_end;
+        const bool copy_a = !kGatherA && !partial, copy_b = !kGatherB && !partial;  // by the copy engine
+        if (threadIdx.x == 0) {
+          TxBarrier::arrive_and_expect_tx(&full[stage], (copy_a ? kABytes : 0) + (copy_b ? kBBytes : 0));
+          const int k = static_cast<int>(k0);
+          if (copy_a)
+#pragma unroll
+            for (int c = 0; c < kAChunks; ++c) {
+              if constexpr (kA == Major::k)
+                cute::SM90_TMA_LOAD_3D::copy(&a_map, &full[stage], kHint, sa + c * kChunkBytes, k,
+                                             static_cast<int>(w.row_begin + c * kChunkRows), 0);
+              else
+                cute::SM90_TMA_LOAD_3D::copy(&a_map, &full[stage], kHint, sa + c * kChunkBytes,
+                                             static_cast<int>(w.m0 + c * kChunkRows), k, 0);
+            }
+          if (copy_b)
+#pragma unroll
+            for (int c = 0; c < kBChunks; ++c) {
+              if constexpr (kB == Major::k)
+                cute::SM90_TMA_LOAD_3D::copy(&b_map, &full[stage], kHint, sb + c * kChunkBytes, k,
+                                             static_cast<int>(w.n0 + c * kChunkRows), e);
+              else
+                cute::SM90_TMA_LOAD_3D::copy(&b_map, &full[stage], kHint, sb + c * kChunkBytes,
+                                             static_cast<int>(w.n0 + c * kChunkRows), k, e);
+            }
+        }
+        if (kGatherA || !copy_a) {
+          if constexpr (kA == Major::k) {
+#pragma unroll
+            for (int c = 0; c < kAChunks; ++c) copy_chunk<T>(sa + c * kChunkBytes, p.A, a_base, tile_rows[c], k0);
+          } else {
+            int32_t rows[4];
+            chunk_rows(p.A, k0, w.k_end, rows);
+#pragma unroll
+            for (int c = 0; c < kAChunks; ++c)
+              copy_chunk<T>(sa + c * kChunkBytes, p.A, a_base, rows, w.m0 + c * kChunkRows);
+          }
+        }
+        if constexpr (kB == Major::mn) {
+          if (kGatherB || !copy_b) {
+            int32_t rows[4];
+            chunk_rows(p.B, k0, w.k_end, rows);
+#pragma unroll
+            for (int c = 0; c < kBChunks; ++c)
+              copy_chunk<T>(sb + c * kChunkBytes, p.B, b_base, rows, w.n0 + c * kChunkRows);
+          }
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
+    using Op = typename Wgmma<T, kA, kB>::type;
+    const int math = warpgroup - 1;
+    const bool leader = threadIdx.x % 128 == 0;
+    float acc[kBlockN / 2];
+    // This warpgroup's 64 rows of A: K-major, rows 64 math on (1,024-byte groups of 8); MN-major, chunk `math`.
+    const uint64_t desc_a0 = descriptor<kA>(smem + math * kChunkBytes), desc_b0 = descriptor<kB>(smem + kABytes);
+    const uint32_t desc_a_lo = static_cast<uint32_t>(desc_a0), desc_b_lo = static_cast<uint32_t>(desc_b0);
+    const uint32_t desc_a_hi = static_cast<uint32_t>(desc_a0 >> 32), desc_b_hi = static_cast<uint32_t>(desc_b0 >> 32);
+    int stage = 0;
+    uint32_t phase = 0;
+    int64_t hint = 0;
+    for (int64_t u = blockIdx.x, units = unit_count<kGroup>(p); u < units; u += gridDim.x) {
+      const Unit w = unit_of<kGroup>(p, u, hint);
+      const int64_t blocks = k_blocks_of(w);
+      if (blocks == 0) {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
+      }
+      int previous = -1;
+      for (int64_t kb = 0; kb < blocks; ++kb) {
+        wait_parity(full_at + 8 * stage, phase);
+        // cp.async wrote the stage through the generic proxy; wgmma reads it through the async one.
+        cutlass::arch::fence_view_async_shared();
+        const uint32_t offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < kStageK / 16; ++kk)
+          wgmma<Op>((static_cast<uint64_t>(desc_a_hi) << 32) | (desc_a_lo + offset + kk * kK16Step<kA>),
+                    (static_cast<uint64_t>(desc_b_hi) << 32) | (desc_b_lo + offset + kk * kK16Step<kB>), acc,
+                    kb > 0 || kk > 0, std::make_index_sequence<kBlockN / 2>{});
+        cute::warpgroup_commit_batch();
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+        // One batch in flight: wait for the previous stage's products, then free it.
+        cute::warpgroup_wait<1>();
+        if (previous >= 0 && leader) Barrier::arrive(&empty[previous]);
+        previous = stage;
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+      if (previous >= 0 && leader) Barrier::arrive(&empty[previous]);
+
+      const ExpertsArgs& a = p.a;
+      if constexpr (kEpi == Epilogue::store_weights) {
+        T* out = static_cast<T*>(p.out) + w.expert * p.out_expert_stride + (w.m0 + math * 64) * p.ld_out + w.n0;
+        store_tile<T, T>(acc, out, p.ld_out, p.m - (w.m0 + math * 64), p.n - w.n0, nullptr);
+      } else {
+        const int64_t row0 = w.row_begin + math * 64;
+        if constexpr (kEpi == Epilogue::activation_gradient) {
+          activation_gradient_epilogue<T>(p, acc, row0, w.row_end, w.n0);
+        } else if constexpr (kEpi == Epilogue::store_float) {
+          const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + w.expert * p.n + w.n0 : nullptr;
+          store_tile<float, T>(acc, static_cast<float*>(p.out) + row0 * p.ld_out + w.n0, p.ld_out, w.row_end - row0,
+                               p.n - w.n0, bias);
+        } else {
+          store_tile<T, T>(acc, static_cast<T*>(p.out) + row0 * p.ld_out + w.n0, p.ld_out, w.row_end - row0, p.n - w.n0,
+                           nullptr);
+        }
+      }
+    }
+  }
+#else
+  (void)p;
+  __trap();  // launched only on compute capability 9.0, where the sm_90a code exists
+#endif
+}
+
+}  // namespace moekit::cuda::sm90_backward
