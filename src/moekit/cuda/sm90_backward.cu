@@ -5,7 +5,7 @@
 //   z         = x[t] @ up_e^T + b1   rows grouping, A x (K-major, gathered), B up_e [N, H] (K-major)
 //   G         = grad_out[t] @ down_e rows grouping, A grad_out (K-major, gathered), B down_e [H, I] (MN-major)
 //   dx        = dz @ up_e            rows grouping, A dz (K-major), B up_e [N, H] (MN-major)
-//   grad_up_e = dz_e^T x_e           depth grouping, A dz (MN-major), B x (MN-major, gathered)
+//   grad_up_e^T = x_e^T dz_e         depth grouping, A x (MN-major, gathered), B dz (MN-major), stored transposed
 //   grad_down_e = grad_out_e^T wa_e  depth grouping, A grad_out (MN-major, gathered), B wa (MN-major)
 // Launches are sized from host-known bounds and read the tile counts on the device: no host synchronisation, no
 // allocation, so a training step captures in a CUDA graph.
@@ -97,13 +97,13 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
 
   finish_token_gradients(p, stream);
 
-  Params up = base;  // grad_up_e [N, H] = dz_e^T x_e
-  up.A = Operand{p.dz, N, 0, nullptr, N};
-  up.B = Operand{a.x, H, 0, p.row_token, H};
-  up.m = N, up.n = H, up.m_blocks = blocks_of(N, sm90_backward::kBlockM),
-  up.n_blocks = blocks_of(H, sm90_backward::kBlockN);
+  Params up = base;  // grad_up_e^T [H, N] = x_e^T dz_e, stored transposed: the gathered x is A, the 2-chunk operand
+  up.A = Operand{a.x, H, 0, p.row_token, H};
+  up.B = Operand{p.dz, N, 0, nullptr, N};
+  up.m = H, up.n = N, up.m_blocks = blocks_of(H, sm90_backward::kBlockM),
+  up.n_blocks = blocks_of(N, sm90_backward::kBlockN);
   up.out = p.b.grad_up, up.ld_out = H, up.out_expert_stride = N * H;
-  launch<T, Major::mn, Major::mn, false, true, Grouping::depth, Epilogue::store_weights>(
+  launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights_transposed>(
       {dz_map, dz_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
 
   Params down = base;  // grad_down_e [H, I] = grad_out_e^T wa_e

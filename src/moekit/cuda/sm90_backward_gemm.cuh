@@ -54,10 +54,11 @@ constexpr std::size_t kSmemBytes = kStages * (kStageBytes + 16) + 1024;  // + th
 enum class Major : uint8_t { k, mn };
 enum class Grouping : uint8_t { rows, depth };
 enum class Epilogue : uint8_t {
-  store_float,          // z = C + b1 as float [P, N] (rows)
-  store_rows,           // dx = C in the dtype [P, H] (rows)
-  activation_gradient,  // C is G: dz, wa and the routing-weight gradient's partial sums (rows)
-  store_weights,        // C_e in the dtype at out + e * out_expert_stride (depth)
+  store_float,               // z = C + b1 as float [P, N] (rows)
+  store_rows,                // dx = C in the dtype [P, H] (rows)
+  activation_gradient,       // C is G: dz, wa and the routing-weight gradient's partial sums (rows)
+  store_weights,             // C_e in the dtype at out + e * out_expert_stride (depth)
+  store_weights_transposed,  // C_e^T there: out[n][m] (depth)
 };
 
 // Where an operand's 128-byte rows are: row i of its row space at base + row(i) * ld (+ the expert's offset with
@@ -228,6 +229,19 @@ __device__ __forceinline__ void store_tile(const float* acc, O* out, int64_t ld,
   }
 }
 
+// store_tile's transpose: C[row][col] at out[col * ld + row], one 2-byte value a store (the eight rows of a column
+// that a warp holds are 16 contiguous bytes).
+template <typename T>
+__device__ __forceinline__ void store_tile_transposed(const float* acc, T* out, int64_t ld, int64_t rows,
+                                                      int64_t cols) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) {
+    const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
+    if (row < rows && col < cols) out[col * ld + row] = from_f<T>(acc[i]);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void store_pair(T* at, float x, float y) {
   *reinterpret_cast<uint32_t*>(at) =
@@ -252,44 +266,60 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
     valid[h] = row < row_end;
     route[h] = valid[h] ? load_routing_weight<T>(a, p.r.row_pair[row]) : 0.0f;
   }
+  // Groups of four column pairs (eight accumulators): the group's z values are loaded first, so that eight loads are
+  // in flight before the arithmetic waits for them.
+  const float* __restrict__ z_rows = p.z;
 #pragma unroll
-  for (int i = 0; i < kBlockN / 2; i += 2) {
-    const int h = (i >> 1) & 1;
-    const int64_t row = row0 + acc_row(warp, lane, i), j = n0 + acc_col(lane, i);
-    if (!valid[h] || j >= I) continue;
-    const float* z = p.z + row * N;
-    float zg[2], zu[2] = {0.0f, 0.0f};
-    if (!a.has_gate) {
-      const float2 v = *reinterpret_cast<const float2*>(z + j);
-      zg[0] = v.x, zg[1] = v.y;
-    } else if (a.concatenated) {
-      const float2 vg = *reinterpret_cast<const float2*>(z + j), vu = *reinterpret_cast<const float2*>(z + I + j);
-      zg[0] = vg.x, zg[1] = vg.y, zu[0] = vu.x, zu[1] = vu.y;
-    } else {
-      const float4 v = *reinterpret_cast<const float4*>(z + 2 * j);
-      zg[0] = v.x, zu[0] = v.y, zg[1] = v.z, zu[1] = v.w;
-    }
-    float d_gate[2], d_up[2], value[2];
+  for (int m = 0; m < kBlockN / 16; ++m) {
+    float zg[8], zu[8];
+    bool ok[4];
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const float g = acc[i + u];
-      const ActivationGradient d = activation_gradient(a, zg[u], zu[u]);
-      d_gate[u] = route[h] * g * d.d_gate;
-      d_up[u] = route[h] * g * d.d_up;
-      value[u] = d.value;
-      dot[h] = fmaf(g, d.value, dot[h]);
+    for (int k = 0; k < 4; ++k) {
+      const int i = 8 * m + 2 * k, h = k & 1;
+      const int64_t row = row0 + acc_row(warp, lane, i), j = n0 + acc_col(lane, i);
+      ok[k] = valid[h] && j < I;
+      zg[2 * k] = zg[2 * k + 1] = zu[2 * k] = zu[2 * k + 1] = 0.0f;
+      if (!ok[k]) continue;
+      const float* z = z_rows + row * N;
+      if (!a.has_gate) {
+        const float2 v = __ldg(reinterpret_cast<const float2*>(z + j));
+        zg[2 * k] = v.x, zg[2 * k + 1] = v.y;
+      } else if (a.concatenated) {
+        const float2 vg = __ldg(reinterpret_cast<const float2*>(z + j));
+        const float2 vu = __ldg(reinterpret_cast<const float2*>(z + I + j));
+        zg[2 * k] = vg.x, zg[2 * k + 1] = vg.y, zu[2 * k] = vu.x, zu[2 * k + 1] = vu.y;
+      } else {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(z + 2 * j));
+        zg[2 * k] = v.x, zu[2 * k] = v.y, zg[2 * k + 1] = v.z, zu[2 * k + 1] = v.w;
+      }
     }
-    T* dz = static_cast<T*>(p.dz) + row * N;
-    if (!a.has_gate) {
-      store_pair(dz + j, d_gate[0], d_gate[1]);
-    } else if (a.concatenated) {
-      store_pair(dz + j, d_gate[0], d_gate[1]);
-      store_pair(dz + I + j, d_up[0], d_up[1]);
-    } else {
-      store_pair(dz + 2 * j, d_gate[0], d_up[0]);
-      store_pair(dz + 2 * j + 2, d_gate[1], d_up[1]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (!ok[k]) continue;
+      const int i = 8 * m + 2 * k, h = k & 1;
+      const int64_t row = row0 + acc_row(warp, lane, i), j = n0 + acc_col(lane, i);
+      float d_gate[2], d_up[2], value[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const float g = acc[i + u];
+        const ActivationGradient d = activation_gradient(a, zg[2 * k + u], zu[2 * k + u]);
+        d_gate[u] = route[h] * g * d.d_gate;
+        d_up[u] = route[h] * g * d.d_up;
+        value[u] = d.value;
+        dot[h] = fmaf(g, d.value, dot[h]);
+      }
+      T* dz = static_cast<T*>(p.dz) + row * N;
+      if (!a.has_gate) {
+        store_pair(dz + j, d_gate[0], d_gate[1]);
+      } else if (a.concatenated) {
+        store_pair(dz + j, d_gate[0], d_gate[1]);
+        store_pair(dz + I + j, d_up[0], d_up[1]);
+      } else {
+        store_pair(dz + 2 * j, d_gate[0], d_up[0]);
+        store_pair(dz + 2 * j + 2, d_gate[1], d_up[1]);
+      }
+      store_pair(static_cast<T*>(p.wa) + row * I + j, route[h] * value[0], route[h] * value[1]);
     }
-    store_pair(static_cast<T*>(p.wa) + row * I + j, route[h] * value[0], route[h] * value[1]);
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -313,7 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kGroup == Grouping::depth || kA == Major::k, "a row tile's rows are rows of A");
   static_assert(kGroup == Grouping::depth || kB == Major::k || !kGatherB, "weights are never gathered");
   static_assert(!kGatherA || kA == Major::mn || kGroup == Grouping::rows, "K-major gathered rows are a tile's");
-  static_assert((kGroup == Grouping::depth) == (kEpi == Epilogue::store_weights), "weight gradients group by depth");
+  static_assert(
+      (kGroup == Grouping::depth) == (kEpi == Epilogue::store_weights || kEpi == Epilogue::store_weights_transposed),
+      "weight gradients group by depth");
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   extern __shared__ uint8_t smem_raw[];
@@ -463,6 +495,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kEpi == Epilogue::store_weights) {
         T* out = static_cast<T*>(p.out) + w.expert * p.out_expert_stride + (w.m0 + math * 64) * p.ld_out + w.n0;
         store_tile<T, T>(acc, out, p.ld_out, p.m - (w.m0 + math * 64), p.n - w.n0, nullptr);
+      } else if constexpr (kEpi == Epilogue::store_weights_transposed) {
+        T* out = static_cast<T*>(p.out) + w.expert * p.out_expert_stride + w.n0 * p.ld_out + w.m0 + math * 64;
+        store_tile_transposed<T>(acc, out, p.ld_out, p.m - (w.m0 + math * 64), p.n - w.n0);
       } else {
         const int64_t row0 = w.row_begin + math * 64;
         if constexpr (kEpi == Epilogue::activation_gradient) {
