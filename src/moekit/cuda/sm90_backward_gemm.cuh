@@ -252,7 +252,29 @@ __device__ __forceinline__ void store_pair(T* at, float x, float y) {
 // (sorted order, those below row_end) and the tile's columns n0.. of the intermediate. Per column j (backward.cuh):
 // dz at the weight's own rows, wa = w act(z), and the row's sum of G act(z) over the tile's columns (each thread's
 // columns in order, then the four threads of a row in a fixed tree) into route_partials[row][n0 / kBlockN].
-template <typename T>
+// The activation's value and derivatives at (g, u) through a call: inlined into each of the epilogue's unrolled steps,
+// the activation's switch made the kernel's code many times larger.
+__device__ __noinline__ ActivationGradient activation_gradient_call(Act act, bool has_gate, float limit, float alpha,
+                                                                    float g, float u) {
+  ExpertsArgs a;
+  a.act = act;
+  a.has_gate = has_gate;
+  a.swiglu_limit = limit;
+  a.swiglu_alpha = alpha;
+  return activation_gradient(a, g, u);
+}
+// kSwiGlu: SiLU with a gate (concatenated), the common case, inline; every other activation through the call.
+template <bool kSwiGlu>
+__device__ __forceinline__ ActivationGradient gradient_at(const ExpertsArgs& a, float g, float u) {
+  if constexpr (kSwiGlu) {
+    const float s = sigmoid(g), h = g * s;
+    return {h * u, s * (1.0f + g * (1.0f - s)) * u, h};
+  } else {
+    return activation_gradient_call(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, g, u);
+  }
+}
+
+template <typename T, bool kSwiGlu>
 __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, const float* acc, int64_t row0,
                                                              int64_t row_end, int64_t n0) {
   const ExpertsArgs& a = p.a;
@@ -281,7 +303,11 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
       zg[2 * k] = zg[2 * k + 1] = zu[2 * k] = zu[2 * k + 1] = 0.0f;
       if (!ok[k]) continue;
       const float* z = z_rows + row * N;
-      if (!a.has_gate) {
+      if (kSwiGlu) {
+        const float2 vg = __ldg(reinterpret_cast<const float2*>(z + j));
+        const float2 vu = __ldg(reinterpret_cast<const float2*>(z + I + j));
+        zg[2 * k] = vg.x, zg[2 * k + 1] = vg.y, zu[2 * k] = vu.x, zu[2 * k + 1] = vu.y;
+      } else if (!a.has_gate) {
         const float2 v = __ldg(reinterpret_cast<const float2*>(z + j));
         zg[2 * k] = v.x, zg[2 * k + 1] = v.y;
       } else if (a.concatenated) {
@@ -302,14 +328,17 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const float g = acc[i + u];
-        const ActivationGradient d = activation_gradient(a, zg[2 * k + u], zu[2 * k + u]);
+        const ActivationGradient d = gradient_at<kSwiGlu>(a, zg[2 * k + u], zu[2 * k + u]);
         d_gate[u] = route[h] * g * d.d_gate;
         d_up[u] = route[h] * g * d.d_up;
         value[u] = d.value;
         dot[h] = fmaf(g, d.value, dot[h]);
       }
       T* dz = static_cast<T*>(p.dz) + row * N;
-      if (!a.has_gate) {
+      if (kSwiGlu) {
+        store_pair(dz + j, d_gate[0], d_gate[1]);
+        store_pair(dz + I + j, d_up[0], d_up[1]);
+      } else if (!a.has_gate) {
         store_pair(dz + j, d_gate[0], d_gate[1]);
       } else if (a.concatenated) {
         store_pair(dz + j, d_gate[0], d_gate[1]);
@@ -328,6 +357,29 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
     s += __shfl_xor_sync(0xffffffffu, s, 2);
     if (lane % 4 == 0 && valid[h])
       p.route_partials[(row0 + acc_row(warp, lane, 2 * h)) * p.partial_blocks + n0 / kBlockN] = s;
+  }
+}
+
+// The z rows a unit of G's epilogue reads (backward.cuh: [P, N] float, gate and up at the weight's own rows), one row
+// a producer thread, into L2 by bulk prefetches (sizes and addresses whole 16-byte pieces: I and n0 are multiples of
+// 8).
+__device__ __forceinline__ void prefetch_z_rows(const Params& p, const Unit& w) {
+  const ExpertsArgs& a = p.a;
+  const int64_t row = w.row_begin + threadIdx.x % 128;
+  if (row >= w.row_end) return;
+  const int64_t I = a.intermediate, N = a.has_gate ? 2 * I : I;
+  const auto bytes = static_cast<uint32_t>(min(int64_t{kBlockN}, I - w.n0) * 4);
+  const float* z = p.z + row * N;
+  auto prefetch = [](const float* at, uint32_t size) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(at), "r"(size) : "memory");
+  };
+  if (!a.has_gate) {
+    prefetch(z + w.n0, bytes);
+  } else if (a.concatenated) {
+    prefetch(z + w.n0, bytes);
+    prefetch(z + I + w.n0, bytes);
+  } else {
+    prefetch(z + 2 * w.n0, 2 * bytes);
   }
 }
 
@@ -387,6 +439,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kGatherA && kA == Major::k)
 #pragma unroll
         for (int c = 0; c < kAChunks; ++c) chunk_rows(p.A, w.row_begin + c * kChunkRows, w.row_end, tile_rows[c]);
+      // MN-major gathered rows (k rows) of the next stage, looked up while this one's copies run, so that the lookup's
+      // latency hides behind the wait for a free stage.
+      int32_t a_rows[4], b_rows[4];
+      if constexpr (kGatherA && kA == Major::mn) chunk_rows(p.A, w.k_begin, w.k_end, a_rows);
+      if constexpr (kGatherB) chunk_rows(p.B, w.k_begin, w.k_end, b_rows);
+      // G's epilogue reads the unit's z rows: ask L2 for them now, a mainloop before they are needed.
+      if constexpr (kEpi == Epilogue::activation_gradient) prefetch_z_rows(p, w);
       for (int64_t kb = 0, blocks = k_blocks_of(w); kb < blocks; ++kb) {
         wait_parity(empty_at + 8 * stage, phase ^ 1);
         uint8_t* sa = smem + stage * kStageBytes;
@@ -423,21 +482,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int c = 0; c < kAChunks; ++c) copy_chunk<T>(sa + c * kChunkBytes, p.A, a_base, tile_rows[c], k0);
           } else {
-            int32_t rows[4];
-            chunk_rows(p.A, k0, w.k_end, rows);
+            if (!kGatherA) chunk_rows(p.A, k0, w.k_end, a_rows);  // a partial stage of an operand read by map
 #pragma unroll
             for (int c = 0; c < kAChunks; ++c)
-              copy_chunk<T>(sa + c * kChunkBytes, p.A, a_base, rows, w.m0 + c * kChunkRows);
+              copy_chunk<T>(sa + c * kChunkBytes, p.A, a_base, a_rows, w.m0 + c * kChunkRows);
           }
         }
         if constexpr (kB == Major::mn) {
           if (kGatherB || !copy_b) {
-            int32_t rows[4];
-            chunk_rows(p.B, k0, w.k_end, rows);
+            if (!kGatherB) chunk_rows(p.B, k0, w.k_end, b_rows);
 #pragma unroll
             for (int c = 0; c < kBChunks; ++c)
-              copy_chunk<T>(sb + c * kChunkBytes, p.B, b_base, rows, w.n0 + c * kChunkRows);
+              copy_chunk<T>(sb + c * kChunkBytes, p.B, b_base, b_rows, w.n0 + c * kChunkRows);
           }
+        }
+        if (kb + 1 < blocks) {
+          if constexpr (kGatherA && kA == Major::mn) chunk_rows(p.A, k0 + kStageK, w.k_end, a_rows);
+          if constexpr (kGatherB) chunk_rows(p.B, k0 + kStageK, w.k_end, b_rows);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
@@ -501,7 +562,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         const int64_t row0 = w.row_begin + math * 64;
         if constexpr (kEpi == Epilogue::activation_gradient) {
-          activation_gradient_epilogue<T>(p, acc, row0, w.row_end, w.n0);
+          if (a.act == Act::silu && a.has_gate && a.concatenated)
+            activation_gradient_epilogue<T, true>(p, acc, row0, w.row_end, w.n0);
+          else
+            activation_gradient_epilogue<T, false>(p, acc, row0, w.row_end, w.n0);
         } else if constexpr (kEpi == Epilogue::store_float) {
           const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + w.expert * p.n + w.n0 : nullptr;
           store_tile<float, T>(acc, static_cast<float*>(p.out) + row0 * p.ld_out + w.n0, p.ld_out, w.row_end - row0,
