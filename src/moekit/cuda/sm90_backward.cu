@@ -5,8 +5,11 @@
 //   z         = x[t] @ up_e^T + b1   rows grouping, A x (K-major, gathered), B up_e [N, H] (K-major)
 //   G         = grad_out[t] @ down_e rows grouping, A grad_out (K-major, gathered), B down_e [H, I] (MN-major)
 //   dx        = dz @ up_e            rows grouping, A dz (K-major), B up_e [N, H] (MN-major)
-//   grad_up_e^T = x_e^T dz_e         depth grouping, A x (MN-major, gathered), B dz (MN-major), stored transposed
-//   grad_down_e = grad_out_e^T wa_e  depth grouping, A grad_out (MN-major, gathered), B wa (MN-major)
+//   grad_up_e   = dz_e^T xs_e        depth grouping, A dz (MN-major), B xs (MN-major)
+//   grad_down_e = gs_e^T wa_e        depth grouping, A gs (MN-major), B wa (MN-major)
+// where xs and gs are x and grad_out copied in the sorted order into buffers free by then (z's and dx's); where they
+// do not fit (H > 2N), the weight gradients gather the token rows in their loads instead (grad_up as x^T dz, stored
+// transposed, so that the gathered operand is the two-chunk A).
 // Launches are sized from host-known bounds and read the tile counts on the device: no host synchronisation, no
 // allocation, so a training step captures in a CUDA graph.
 #include <algorithm>
@@ -57,6 +60,28 @@ int blocks_of(int64_t size, int64_t block) {
   return static_cast<int>((size + block - 1) / block);
 }
 
+// x and grad_out in the sorted order, into z's and dx's buffers (backward_typed): sorted row r is token
+// row_token[r] of each, for the offsets[E] rows that exist; a block a row, 16-byte pieces a thread (H a multiple of 8).
+__global__ void __launch_bounds__(256)
+    gather_sorted_rows_kernel(const uint4* x, const uint4* grad_out, const int32_t* row_token, const int32_t* rows,
+                              int64_t pieces, uint4* xs, uint4* gs) {
+  for (int64_t r = blockIdx.x, n = *rows; r < n; r += gridDim.x) {
+    const int64_t t = row_token[r];
+    for (int64_t i = threadIdx.x; i < pieces; i += blockDim.x) {
+      xs[r * pieces + i] = __ldg(x + t * pieces + i);
+      gs[r * pieces + i] = __ldg(grad_out + t * pieces + i);
+    }
+  }
+}
+
+void gather_sorted_rows(const ExpertsArgs& a, const BackwardProblem& p, cudaStream_t stream) {
+  const int64_t P = a.tokens * a.top_k, pieces = a.hidden * static_cast<int64_t>(dtype_size(a.dtype)) / 16;
+  gather_sorted_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 256, 0, stream>>>(
+      static_cast<const uint4*>(a.x), static_cast<const uint4*>(p.b.grad_out), p.row_token, p.r.offsets + a.experts,
+      pieces, static_cast<uint4*>(static_cast<void*>(p.z)), static_cast<uint4*>(p.dx));
+  MOEKIT_CUDA_CHECK_LAUNCH();
+}
+
 template <typename T>
 void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   const ExpertsArgs& a = p.b.a;
@@ -97,23 +122,47 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
 
   finish_token_gradients(p, stream);
 
-  Params up = base;  // grad_up_e^T [H, N] = x_e^T dz_e, stored transposed: the gathered x is A, the 2-chunk operand
-  up.A = Operand{a.x, H, 0, p.row_token, H};
-  up.B = Operand{p.dz, N, 0, nullptr, N};
-  up.m = H, up.n = N, up.m_blocks = blocks_of(H, sm90_backward::kBlockM),
-  up.n_blocks = blocks_of(N, sm90_backward::kBlockN);
-  up.out = p.b.grad_up, up.ld_out = H, up.out_expert_stride = N * H;
-  launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights_transposed>(
-      {dz_map, dz_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
+  // The weight gradients reduce over each expert's token rows. Where x and grad_out sorted by expert fit in the
+  // buffers that are free by now (x in z's, grad_out in dx's: H <= 2N, true of every MoE model we know), they are
+  // copied there once, so that both gradients read every operand by the copy engine; otherwise they gather the
+  // token rows by cp.async.
+  const bool sorted_copies = H <= 2 * N && P > 0;
+  const void* xs = p.z;
+  const void* gs = p.dx;
+  if (sorted_copies) gather_sorted_rows(a, p, stream);
+  const CUtensorMap xs_map = chunk_map(xs, t, H, rows, 1), gs_map = chunk_map(gs, t, H, rows, 1);
+
+  Params up = base;
+  up.out = p.b.grad_up, up.out_expert_stride = N * H;
+  if (sorted_copies) {  // grad_up_e [N, H] = dz_e^T xs_e
+    up.A = Operand{p.dz, N, 0, nullptr, N};
+    up.B = Operand{xs, H, 0, nullptr, H};
+    up.m = N, up.n = H, up.ld_out = H;
+    up.m_blocks = blocks_of(N, sm90_backward::kBlockM), up.n_blocks = blocks_of(H, sm90_backward::kBlockN);
+    launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>(
+        {dz_map, xs_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
+  } else {  // grad_up_e^T [H, N] = x_e^T dz_e, stored transposed: the gathered x is A, the 2-chunk operand
+    up.A = Operand{a.x, H, 0, p.row_token, H};
+    up.B = Operand{p.dz, N, 0, nullptr, N};
+    up.m = H, up.n = N, up.ld_out = H;
+    up.m_blocks = blocks_of(H, sm90_backward::kBlockM), up.n_blocks = blocks_of(N, sm90_backward::kBlockN);
+    launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights_transposed>(
+        {dz_map, dz_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
+  }
 
   Params down = base;  // grad_down_e [H, I] = grad_out_e^T wa_e
-  down.A = Operand{p.b.grad_out, H, 0, p.row_token, H};
+  down.A = sorted_copies ? Operand{gs, H, 0, nullptr, H} : Operand{p.b.grad_out, H, 0, p.row_token, H};
   down.B = Operand{p.wa, I, 0, nullptr, I};
   down.m = H, down.n = I, down.m_blocks = blocks_of(H, sm90_backward::kBlockM),
   down.n_blocks = blocks_of(I, sm90_backward::kBlockN);
   down.out = p.b.grad_down, down.ld_out = I, down.out_expert_stride = H * I;
-  launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights>(
-      {wa_map, wa_map}, down, a.experts * down.m_blocks * down.n_blocks, stream);
+  const int64_t down_units = a.experts * down.m_blocks * down.n_blocks;
+  if (sorted_copies)
+    launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>({gs_map, wa_map}, down,
+                                                                                            down_units, stream);
+  else
+    launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights>({wa_map, wa_map}, down,
+                                                                                           down_units, stream);
 
   launch_bias_gradients(p, stream);
 }
