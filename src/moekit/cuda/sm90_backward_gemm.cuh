@@ -490,10 +490,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if constexpr (kB == Major::mn) {
           if (kGatherB || !copy_b) {
-            if (!kGatherB) chunk_rows(p.B, k0, w.k_end, b_rows);
+            // Neither operand gathered: B's k rows are those A took by cp.async in this same (partial) stage, kept in
+            // one set of registers (two spilled the producer's).
+            constexpr bool kSameRows = !kGatherA && !kGatherB && kA == Major::mn;
+            if (!kSameRows && !kGatherB) chunk_rows(p.B, k0, w.k_end, b_rows);
+            const int32_t(&rows)[4] = kSameRows ? a_rows : b_rows;
 #pragma unroll
             for (int c = 0; c < kBChunks; ++c)
-              copy_chunk<T>(sb + c * kChunkBytes, p.B, b_base, b_rows, w.n0 + c * kChunkRows);
+              copy_chunk<T>(sb + c * kChunkBytes, p.B, b_base, rows, w.n0 + c * kChunkRows);
           }
         }
         if (kb + 1 < blocks) {
