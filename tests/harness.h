@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "moekit/experts.h"
-#include "moekit/reference.h"
 #include "moekit/tensor.h"
+#include "moekit/testing/reference.h"
 
 namespace moekit::test {
 

@@ -13,7 +13,7 @@
 
 #include "harness.h"
 #include "moekit/experts.h"
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 
 namespace moekit::test {
 

@@ -8,7 +8,7 @@
 
 #include "moekit/c_api.h"
 #include "moekit/experts.h"
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 
 namespace moekit {
 namespace {

@@ -13,7 +13,7 @@
 #include "moekit/cpu/gemv.h"
 #include "moekit/dtype.h"
 #include "moekit/experts.h"
-#include "moekit/reference.h"
+#include "moekit/testing/reference.h"
 
 namespace moekit {
 namespace {

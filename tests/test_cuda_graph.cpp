@@ -8,7 +8,7 @@
 
 #include "harness.h"
 #include "moekit/device.h"
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 
 namespace moekit {
 namespace {

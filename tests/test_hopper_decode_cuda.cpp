@@ -15,7 +15,7 @@
 #include "moekit/cuda/experts_cuda.h"
 #include "moekit/cuda/tensor_map.h"
 #include "moekit/device.h"
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 
 namespace moekit {
 namespace {

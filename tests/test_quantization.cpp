@@ -18,8 +18,8 @@
 #include "moekit/cpu/quantized_gemv.h"
 #include "moekit/dtype.h"
 #include "moekit/quantization.h"
-#include "moekit/random_problem.h"
 #include "moekit/tensor.h"
+#include "moekit/testing/random_problem.h"
 
 namespace moekit {
 namespace {

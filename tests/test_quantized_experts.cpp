@@ -18,8 +18,8 @@
 #include "moekit/cuda/scale_division.h"
 #include "moekit/experts.h"
 #include "moekit/quantization.h"
-#include "moekit/random_problem.h"
-#include "moekit/reference.h"
+#include "moekit/testing/random_problem.h"
+#include "moekit/testing/reference.h"
 
 namespace moekit {
 namespace {

@@ -10,7 +10,7 @@
 
 #include "harness.h"
 #include "moekit/experts.h"
-#include "moekit/reference.h"
+#include "moekit/testing/reference.h"
 
 namespace moekit {
 namespace {

@@ -12,9 +12,9 @@
 #include <sstream>
 
 #include "harness.h"
-#include "moekit/random_problem.h"
-#include "moekit/reference.h"
 #include "moekit/safetensors.h"
+#include "moekit/testing/random_problem.h"
+#include "moekit/testing/reference.h"
 
 namespace moekit {
 namespace {

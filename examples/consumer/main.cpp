@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "moekit/experts.h"
-#include "moekit/random_problem.h"
-#include "moekit/reference.h"
+#include "moekit/testing/random_problem.h"
+#include "moekit/testing/reference.h"
 #include "moekit/version.h"
 
 int main() {

@@ -29,7 +29,7 @@
 #include "moekit/device.h"
 #include "moekit/experts.h"
 #include "moekit/flag_table.h"
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 
 namespace moekit::cli {
 namespace {

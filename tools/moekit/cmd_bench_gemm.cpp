@@ -22,7 +22,7 @@
 #include "moekit/device.h"
 #include "moekit/flag_table.h"
 #include "moekit/hopper_gemm.h"
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 
 namespace moekit::cli {
 namespace {

@@ -1,4 +1,4 @@
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 
 #include <algorithm>
 #include <cmath>

@@ -352,7 +352,7 @@ void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUten
   // The masked layout's tiles of one group are not adjacent in rows; pairs share weights only in the
   // contiguous one; nor in projections shallower than kPairsMinDepth: a stage is refilled only once both blocks have
   // released it, and with few k-blocks a tile that coupling costs more than the shared weight tiles save (GEMM FP8
-  // down at Qwen3's K = 768: 1.046x unpaired; at DeepSeek-V3's K = 2,048 pairs pay: benchmarks.md, sessions 22-23).
+  // down at Qwen3's K = 768: 1.046x unpaired; at DeepSeek-V3's K = 2,048 pairs pay: docs/history/benchmarks-hopper-sessions-6-26.md, sessions 22-23).
   constexpr int64_t kPairsMinDepth = 1024;
   const bool deep = int64_t{p.k_blocks} * hopper::kStageK<kFp8> >= kPairsMinDepth;
   if (use_clusters() && !p.masked_m && deep)

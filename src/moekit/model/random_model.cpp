@@ -11,7 +11,7 @@
 #include "moekit/checked_math.h"
 #include "moekit/error.h"
 #include "moekit/model.h"
-#include "moekit/random_problem.h"
+#include "moekit/testing/random_problem.h"
 #include "moekit/safetensors.h"
 #include "moekit/model/weight_reader.h"
 

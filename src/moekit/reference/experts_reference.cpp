@@ -14,7 +14,7 @@
 #include <cmath>
 
 #include "moekit/quantization.h"
-#include "moekit/reference.h"
+#include "moekit/testing/reference.h"
 
 namespace moekit {
 
