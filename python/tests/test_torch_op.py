@@ -307,8 +307,9 @@ class CpuContractTest(ContractTest, unittest.TestCase):
 class CudaContractTest(ContractTest, unittest.TestCase):
     device = "cuda"
 
-    def test_hopper_backends_forward_bf16(self):
-        # deepgemm and sonicmoe: Hopper, bf16, rows of multiples of 128 (H=256, I=128).
+    def test_hopper_backends_forward_backward_bf16(self):
+        # deepgemm and sonicmoe: Hopper, bf16, rows of multiples of 128 (H=256, I=128); out and every gradient
+        # (their wgmma backward) against the float64 reference.
         cases = [
             Case(T=37, H=256, I=128, E=8, K=2, dtype=torch.bfloat16),
             Case(T=5, H=256, I=128, E=4, K=2, dtype=torch.bfloat16, sentinels=True, index_dtype=torch.int32),
@@ -320,10 +321,7 @@ class CudaContractTest(ContractTest, unittest.TestCase):
                 self.skipTest(f"{backend} does not run on this GPU: {info.reason}")
             for i, case in enumerate(cases):
                 with self.subTest(backend=backend, case=case.describe()):
-                    inputs = make_inputs(case, 500 + i, "cuda")
-                    out, _ = run_moekit(case, inputs, backend, grad=False)
-                    ref_out, _ = run_reference(case, inputs)
-                    assert_matches(self, out, ref_out, case.dtype, "out")
+                    self.check_case(case, backend, seed=500 + i)
 
     def test_cuda_graph_capture_forward_backward(self):
         case = Case(T=24, H=64, I=48, E=6, K=2, dtype=torch.bfloat16, bias=True)
