@@ -15,8 +15,7 @@ class DeepGemm final : public HopperBackend {
   std::string_view description() const override {
     return "TMA + wgmma grouped GEMM for Hopper (sm_90a), rows padded per expert to 128, activation fused; bf16 "
            "and FP8 block-scaled experts; at decode sizes batched_mm's weight-streaming kernels; backward (bf16/f16): "
-           "the "
-           "Hopper wgmma backward sonicmoe runs";
+           "the Hopper wgmma backward sonicmoe runs";
   }
 
  protected:

@@ -96,6 +96,37 @@ __device__ __forceinline__ ActivationGradient activation_gradient(const ExpertsA
   return {h * u, dh * u, h};
 }
 
+// Two neighbouring values of an output row in one store (4 bytes in a 2-byte dtype).
+template <typename T>
+__device__ __forceinline__ void store_two(T* p, float x, float y) {
+  if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<uint32_t*>(p) =
+        static_cast<uint32_t>(from_f<T>(x).bits) | static_cast<uint32_t>(from_f<T>(y).bits) << 16;
+  } else {
+    p[0] = from_f<T>(x);
+    p[1] = from_f<T>(y);
+  }
+}
+
+// dz of intermediate columns j and j + 1 into its row `dz` at the weight's own rows: gate and up halves
+// (concatenated), g, u pairs (interleaved), or the ungated rows. kConcatenatedGate: the first, known at compile time.
+template <typename T, bool kConcatenatedGate = false>
+__device__ __forceinline__ void store_dz_pair(const ExpertsArgs& a, T* dz, int64_t j, const float (&d_gate)[2],
+                                              const float (&d_up)[2]) {
+  if (kConcatenatedGate) {
+    store_two(dz + j, d_gate[0], d_gate[1]);
+    store_two(dz + a.intermediate + j, d_up[0], d_up[1]);
+  } else if (!a.has_gate) {
+    store_two(dz + j, d_gate[0], d_gate[1]);
+  } else if (a.concatenated) {
+    store_two(dz + j, d_gate[0], d_gate[1]);
+    store_two(dz + a.intermediate + j, d_up[0], d_up[1]);
+  } else {
+    store_two(dz + 2 * j, d_gate[0], d_up[0]);
+    store_two(dz + 2 * j + 2, d_gate[1], d_up[1]);
+  }
+}
+
 // Device bytes of the routing and the buffers above for one call, and the problem carved out of workspace.
 std::size_t backward_buffers_bytes(const ExpertsBackwardArgs& b);
 BackwardProblem backward_buffers(const ExpertsBackwardArgs& b, void* workspace);

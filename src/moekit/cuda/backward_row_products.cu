@@ -56,18 +56,6 @@ __device__ __forceinline__ const T* product_left(const BackwardProblem& p, int64
   }
 }
 
-// Two neighbouring values of an output row in one store (4 bytes in a 2-byte dtype).
-template <typename T>
-__device__ __forceinline__ void store_two(T* p, float x, float y) {
-  if constexpr (sizeof(T) == 2) {
-    *reinterpret_cast<uint32_t*>(p) =
-        static_cast<uint32_t>(from_f<T>(x).bits) | static_cast<uint32_t>(from_f<T>(y).bits) << 16;
-  } else {
-    p[0] = from_f<T>(x);
-    p[1] = from_f<T>(y);
-  }
-}
-
 // Writes a finished tile c [kRows][ldc] (float, shared memory) of output columns [n0, n0 + kCols). All threads of
 // the block take part, each taking kV neighbouring columns at a time: kV = 2 (8-byte float and 4-byte 2-byte
 // accesses) where the sizes make every pair whole and aligned (the tensor-core kernel's: H and I multiples of 8).
@@ -148,15 +136,7 @@ __device__ __forceinline__ void finish_row_tile(const BackwardProblem& p, const 
           dot = fmaf(g, d.value, dot);
         }
         if constexpr (kV == 2) {
-          if (!a.has_gate) {
-            store_two(dz + j, d_gate[0], d_gate[1]);
-          } else if (a.concatenated) {
-            store_two(dz + j, d_gate[0], d_gate[1]);
-            store_two(dz + I + j, d_up[0], d_up[1]);
-          } else {
-            store_two(dz + 2 * j, d_gate[0], d_up[0]);
-            store_two(dz + 2 * j + 2, d_gate[1], d_up[1]);
-          }
+          store_dz_pair(a, dz, j, d_gate, d_up);
           store_two(wa + j, route * value[0], route * value[1]);
         } else {
           dz[a.has_gate ? gate_col(a, j) : j] = from_f<T>(d_gate[0]);

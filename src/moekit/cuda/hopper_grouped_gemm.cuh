@@ -46,12 +46,7 @@
 #include "moekit/cuda/fp8_math.cuh"
 #include "moekit/cuda/routing.cuh"
 #include "moekit/cuda/scale_division.h"
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MOEKIT_SM90A_DEVICE 1
-#else
-#define MOEKIT_SM90A_DEVICE 0
-#endif
+#include "moekit/cuda/sm90_wgmma.cuh"
 
 namespace moekit::cuda::hopper {
 
@@ -65,48 +60,6 @@ constexpr int kThreads = 128 * (1 + kMathGroups);
 
 // Registers per thread after setmaxnreg: 128 x 56 + 256 x 224 = 64,512 of the 65,536.
 constexpr int kProducerRegisters = 56, kMathRegisters = 224;
-
-// MOEKIT_HOPPER_WATCHDOG=1 at compile time (a debugging build): a wait on a pipeline barrier that lasts
-// over ~4 s prints where it is stuck (block, warpgroup, unit, k block, stage, phase) and traps, so a
-// hang becomes an error with a place. Off in normal builds: a plain wait.
-#ifndef MOEKIT_HOPPER_WATCHDOG
-#define MOEKIT_HOPPER_WATCHDOG 0
-#endif
-// Waits for phase `phase` of the mbarrier at shared address `bar`. The barriers are passed as 32-bit shared
-// addresses computed once: from a generic pointer, every wait re-derived the aligned shared base (~20
-// instructions in front of each wgmma batch of the FP8 loop).
-__device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t phase) {
-  uint32_t done;
-  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-               : "=r"(done)
-               : "r"(bar), "r"(phase)
-               : "memory");
-  return done != 0;
-}
-__device__ __forceinline__ void wait_stage(uint32_t bar, uint32_t phase, [[maybe_unused]] const char* what,
-                                           [[maybe_unused]] int64_t unit, [[maybe_unused]] int kb,
-                                           [[maybe_unused]] int stage, [[maybe_unused]] int64_t m_tile,
-                                           [[maybe_unused]] int expert, [[maybe_unused]] int flags) {
-#if MOEKIT_HOPPER_WATCHDOG
-  const long long start = clock64();
-  while (!try_wait_parity(bar, phase)) {
-    if (clock64() - start > 8000000000LL) {
-      printf(
-          "moekit watchdog: block %d thread %d stuck on %s: unit %lld kb %d stage %d phase %u m_tile %lld "
-          "expert %d flags %d\n",
-          static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), what, static_cast<long long>(unit), kb, stage,
-          phase, static_cast<long long>(m_tile), expert, flags);
-      __trap();
-    }
-  }
-#else
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n" ::"r"(
-          bar),
-      "r"(phase)
-      : "memory");
-#endif
-}
 
 // A wgmma descriptor from its two words: the start address field is the low 14 bits of `lo` and stays below
 // 2^14, so a stage's descriptor is stage 0's low word plus the stage's offset (16-byte units).
@@ -287,11 +240,6 @@ __device__ __forceinline__ uint64_t smem_descriptor(const void* p) {
   return d.desc_;
 }
 
-template <typename Op, std::size_t... I>
-__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float* acc, bool accumulate, std::index_sequence<I...>) {
-  Op::fma(a, b, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return static_cast<uint32_t>(from_f<T>(lo).bits) | (static_cast<uint32_t>(from_f<T>(hi).bits) << 16);
@@ -319,14 +267,6 @@ __device__ __forceinline__ void store_pair(O* p, float2 v) {
     *reinterpret_cast<float2*>(p) = v;
   else
     *reinterpret_cast<uint32_t*>(p) = pack2<O>(v.x, v.y);
-}
-
-// Accumulator element i of a 64 x N wgmma tile held by lane `lane` of warp `warp` (of 4): row and column.
-__device__ __forceinline__ int acc_row(int warp, int lane, int i) {
-  return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
-}
-__device__ __forceinline__ int acc_col(int lane, int i) {
-  return (i / 4) * 8 + (lane % 4) * 2 + (i & 1);
 }
 
 // Picks x[k] of four values with a run-time k without indexing a register array (which would move it

@@ -175,8 +175,7 @@ std::size_t hopper_backward_workspace_bytes(const ExpertsBackwardArgs& b) {
 
 void hopper_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream) {
   const ExpertsArgs& a = b.a;
-  MOEKIT_CHECK((a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && !a.quantized() &&
-                   a.hidden % 8 == 0 && a.intermediate % 8 == 0 && !hopper_alignment_refusal(a),
+  MOEKIT_CHECK(hopper_gemm_runs(a) && !a.quantized(),
                "the Hopper backward: problem outside the supported set (checked by the backend's supports_backward())");
   BackwardProblem p = backward_buffers(b, workspace);
   MOEKIT_CHECK(p.tensor_cores, "the Hopper backward needs 16-byte aligned operands, gradients and workspace");

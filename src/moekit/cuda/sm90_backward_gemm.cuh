@@ -31,12 +31,7 @@
 
 #include "moekit/cuda/backward.cuh"
 #include "moekit/cuda/routing.cuh"
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MOEKIT_SM90A_BACKWARD_DEVICE 1
-#else
-#define MOEKIT_SM90A_BACKWARD_DEVICE 0
-#endif
+#include "moekit/cuda/sm90_wgmma.cuh"
 
 namespace moekit::cuda::sm90_backward {
 
@@ -114,18 +109,9 @@ __device__ __forceinline__ uint64_t descriptor(const void* p) {
 template <Major kMajor>
 constexpr uint32_t kK16Step = kMajor == Major::k ? 2 : (16 * 128) >> 4;
 
-template <typename Op, std::size_t... I>
-__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float* acc, bool accumulate, std::index_sequence<I...>) {
-  Op::fma(a, b, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
-// Accumulator element i of a 64 x N wgmma tile held by lane `lane` of warp `warp` (of 4): row and column.
-__device__ __forceinline__ int acc_row(int warp, int lane, int i) {
-  return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
-}
-__device__ __forceinline__ int acc_col(int lane, int i) {
-  return (i / 4) * 8 + (lane % 4) * 2 + (i & 1);
-}
+using hopper::acc_col;
+using hopper::acc_row;
+using hopper::wgmma;
 
 // One chunk of a stage (64 rows of 128 bytes) by cp.async, from the producer warpgroup: thread t copies 16-byte piece
 // t % 8 of chunk rows t / 8 + 16 j (j < 4), which are rows src_row[j] of the operand in memory (negative: zeros) from
@@ -155,14 +141,6 @@ __device__ __forceinline__ void chunk_rows(const Operand& o, int64_t first_row, 
     const int64_t row = first_row + t / 8 + 16 * j;
     src_row[j] = row < row_end ? (o.gather ? o.gather[row] : static_cast<int32_t>(row)) : -1;
   }
-}
-
-__device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t phase) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}\n" ::"r"(
-          bar),
-      "r"(phase)
-      : "memory");
 }
 
 // A unit of work: its expert, the tile's rows (rows grouping) or m block (depth grouping), its column block, and
@@ -224,8 +202,7 @@ __device__ __forceinline__ void store_tile(const float* acc, O* out, int64_t ld,
     if constexpr (std::is_same_v<O, float>)
       *reinterpret_cast<float2*>(at) = make_float2(v0, v1);
     else
-      *reinterpret_cast<uint32_t*>(at) =
-          static_cast<uint32_t>(from_f<O>(v0).bits) | (static_cast<uint32_t>(from_f<O>(v1).bits) << 16);
+      store_two(at, v0, v1);
   }
 }
 
@@ -242,16 +219,6 @@ __device__ __forceinline__ void store_tile_transposed(const float* acc, T* out, 
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void store_pair(T* at, float x, float y) {
-  *reinterpret_cast<uint32_t*>(at) =
-      static_cast<uint32_t>(from_f<T>(x).bits) | (static_cast<uint32_t>(from_f<T>(y).bits) << 16);
-}
-
-// The down-projection gradient's epilogue: C = G = grad_out[t] @ down_e of the warpgroup's rows [row0, row0 + 64)
-// (sorted order, those below row_end) and the tile's columns n0.. of the intermediate. Per column j (backward.cuh):
-// dz at the weight's own rows, wa = w act(z), and the row's sum of G act(z) over the tile's columns (each thread's
-// columns in order, then the four threads of a row in a fixed tree) into route_partials[row][n0 / kBlockN].
 // The activation's value and derivatives at (g, u) through a call: inlined into each of the epilogue's unrolled steps,
 // the activation's switch made the kernel's code many times larger.
 __device__ __noinline__ ActivationGradient activation_gradient_call(Act act, bool has_gate, float limit, float alpha,
@@ -274,6 +241,10 @@ __device__ __forceinline__ ActivationGradient gradient_at(const ExpertsArgs& a, 
   }
 }
 
+// The down-projection gradient's epilogue: C = G = grad_out[t] @ down_e of the warpgroup's rows [row0, row0 + 64)
+// (sorted order, those below row_end) and the tile's columns n0.. of the intermediate. Per column j (backward.cuh):
+// dz at the weight's own rows, wa = w act(z), and the row's sum of G act(z) over the tile's columns (each thread's
+// columns in order, then the four threads of a row in a fixed tree) into route_partials[row][n0 / kBlockN].
 template <typename T, bool kSwiGlu>
 __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, const float* acc, int64_t row0,
                                                              int64_t row_end, int64_t n0) {
@@ -334,20 +305,8 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
         value[u] = d.value;
         dot[h] = fmaf(g, d.value, dot[h]);
       }
-      T* dz = static_cast<T*>(p.dz) + row * N;
-      if (kSwiGlu) {
-        store_pair(dz + j, d_gate[0], d_gate[1]);
-        store_pair(dz + I + j, d_up[0], d_up[1]);
-      } else if (!a.has_gate) {
-        store_pair(dz + j, d_gate[0], d_gate[1]);
-      } else if (a.concatenated) {
-        store_pair(dz + j, d_gate[0], d_gate[1]);
-        store_pair(dz + I + j, d_up[0], d_up[1]);
-      } else {
-        store_pair(dz + 2 * j, d_gate[0], d_up[0]);
-        store_pair(dz + 2 * j + 2, d_gate[1], d_up[1]);
-      }
-      store_pair(static_cast<T*>(p.wa) + row * I + j, route[h] * value[0], route[h] * value[1]);
+      store_dz_pair<T, kSwiGlu>(a, static_cast<T*>(p.dz) + row * N, j, d_gate, d_up);
+      store_two(static_cast<T*>(p.wa) + row * I + j, route[h] * value[0], route[h] * value[1]);
     }
   }
 #pragma unroll
@@ -391,7 +350,7 @@ template <typename T, Major kA, Major kB, bool kGatherA, bool kGatherB, Grouping
 __global__ void __launch_bounds__(kThreads, 1)
     backward_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                          const __grid_constant__ Params p) {
-#if MOEKIT_SM90A_BACKWARD_DEVICE
+#if MOEKIT_SM90A_DEVICE
   static_assert(kGroup == Grouping::depth || kA == Major::k, "a row tile's rows are rows of A");
   static_assert(kGroup == Grouping::depth || kB == Major::k || !kGatherB, "weights are never gathered");
   static_assert(!kGatherA || kA == Major::mn || kGroup == Grouping::rows, "K-major gathered rows are a tile's");
@@ -447,7 +406,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // G's epilogue reads the unit's z rows: ask L2 for them now, a mainloop before they are needed.
       if constexpr (kEpi == Epilogue::activation_gradient) prefetch_z_rows(p, w);
       for (int64_t kb = 0, blocks = k_blocks_of(w); kb < blocks; ++kb) {
-        wait_parity(empty_at + 8 * stage, phase ^ 1);
+        hopper::wait_stage(empty_at + 8 * stage, phase ^ 1, "backward empty", u, static_cast<int>(kb), stage, -1,
+                           static_cast<int>(w.expert), 0);
         uint8_t* sa = smem + stage * kStageBytes;
         uint8_t* sb = sa + kABytes;
         const int64_t k0 = w.k_begin + kb * kStageK;
@@ -530,7 +490,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       int previous = -1;
       for (int64_t kb = 0; kb < blocks; ++kb) {
-        wait_parity(full_at + 8 * stage, phase);
+        hopper::wait_stage(full_at + 8 * stage, phase, "backward full", u, static_cast<int>(kb), stage, -1,
+                           static_cast<int>(w.expert), 1 + math);
         // cp.async wrote the stage through the generic proxy; wgmma reads it through the async one.
         cutlass::arch::fence_view_async_shared();
         const uint32_t offset = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
