@@ -62,7 +62,8 @@ while read -r name fields; do
   fi
 done <<<"$counts"
 
-# The Hopper GEMM: every instantiation has wgmma, the FP8 ones (kFp8 = true: ...Lb1EEEv) QGMMA.
+# The Hopper GEMM: every instantiation has wgmma, the FP8 ones (GemmConfig's last argument, kFp8, true: ...Lb1EEEEEv)
+# QGMMA.
 gemms=$(grep -E '^_ZN6moekit4cuda6hopper19grouped_gemm_kernel' <<<"$counts" || true)
 if [[ -z $gemms ]]; then
   echo "FAILED: no hopper::grouped_gemm_kernel in $binary" >&2
@@ -71,7 +72,7 @@ fi
 while read -r name fields; do
   [[ -z $name ]] && continue
   read_counts "$fields"
-  if [[ $name == *Lb1EEEv* ]]; then
+  if [[ $name =~ Lb1E+v ]]; then
     ((count[QGMMA] == 0)) && echo "FAILED: $name (FP8) has no QGMMA" >&2 && status=1
   else
     ((count[HGMMA] == 0)) && echo "FAILED: $name has no HGMMA" >&2 && status=1

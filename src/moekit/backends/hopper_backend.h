@@ -2,7 +2,7 @@
 // (compute capability 9.0; bf16/f16; untransposed weights; H and I multiples of 8, of 128 with FP8
 // weights; 16-byte aligned),
 // answered with the reason, and their CUDA entry points. Their kernels are in src/moekit/cuda/
-// (hopper_experts.cu, hopper_grouped_gemm.cuh).
+// (hopper_experts.cu, sm90_grouped_gemm.cuh).
 #pragma once
 
 #include <string>

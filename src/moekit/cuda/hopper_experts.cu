@@ -1,5 +1,5 @@
 // The Hopper experts backends on CUDA (sm_90a, bf16/f16), both on the grouped GEMM of
-// hopper_grouped_gemm.cuh over DeepGEMM's contiguous layout (every expert's rows start at a multiple
+// sm90_grouped_gemm.cuh over DeepGEMM's contiguous layout (every expert's rows start at a multiple
 // of 128, so a row tile never straddles two experts):
 //   deepgemm: route on the device (128-row tiles); copy each routed token row into its padded row;
 //             first projection (TMA A, activation fused); second projection (bias fused, rows in the
@@ -30,7 +30,7 @@
 #include "moekit/cuda/fp8_math.cuh"
 #include "moekit/cuda/grouped_gemm.cuh"
 #include "moekit/cuda/hopper_gemm.h"
-#include "moekit/cuda/hopper_grouped_gemm.cuh"
+#include "moekit/cuda/sm90_grouped_gemm.cuh"
 #include "moekit/cuda/tensor_map.h"
 
 namespace moekit::cuda {
@@ -311,7 +311,7 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CU
                     const hopper::GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
   constexpr int BN = kTileN<kFp8, kEpi>;
   constexpr int kDepth = kStages<kFp8, kEpi, kGatherA>;
-  auto* kernel = hopper::grouped_gemm_kernel<T, BN, kEpi, kDepth, kCluster, kGatherA, kFp8>;
+  auto* kernel = hopper::grouped_gemm_kernel<hopper::GemmConfig<T, BN, kEpi, kDepth, kCluster, kGatherA, kFp8>>;
   constexpr std::size_t smem = hopper::gemm_smem_bytes<BN, kFp8, kEpi, kGatherA>(kDepth);
   static_assert(smem <= hopper::kSharedMemoryLimit, "the pipeline does not fit in shared memory");
   cudaLaunchConfig_t config{};

@@ -1,4 +1,4 @@
-// The sm_90a pieces both Hopper grouped GEMMs (hopper_grouped_gemm.cuh's forward, sm90_backward_gemm.cuh's
+// The sm_90a pieces both Hopper grouped GEMMs (sm90_grouped_gemm.cuh's forward, sm90_backward_gemm.cuh's
 // backward) use the same way: the pipeline barriers' wait, one wgmma batch over an accumulator array, and where a
 // thread's accumulators sit in a 64 x N tile.
 #pragma once
