@@ -26,8 +26,8 @@ struct GemmCase {
   DType scale_dtype;  // FP8 weight scales
   GroupedGemmEpilogue epilogue;
   bool masked = false;  // the masked layout [G, max_m, K] instead of the contiguous one
-  // FP8 gated: gated_silu_e4m3 on the same operands too, whose codes and scales must be bit for bit what
-  // quantize_activations makes of gated_silu's f32 rows.
+  // FP8 gated: gated_e4m3 on the same operands too, whose codes and scales must be bit for bit what
+  // quantize_activations makes of gated's f32 rows.
   bool also_e4m3 = false;
   // K: 384 is 6 (bf16) or 3 (FP8) pipeline stages, so the stage ring wraps around within a tile; 1,152 is deep
   // enough (>= 1,024) for the contiguous layout's tiles to run in clusters of two blocks sharing weight tiles.
@@ -59,7 +59,7 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
     rows_per_group[0] = 1, rows_per_group[37] = 130, rows_per_group[71] = 300, rows_per_group[79] = 5;
   }
   const auto G = static_cast<int64_t>(rows_per_group.size());
-  const bool gated = c.epilogue == GroupedGemmEpilogue::gated_silu;
+  const bool gated = c.epilogue == GroupedGemmEpilogue::gated;
   const int64_t N = c.fp8 && gated ? 512 : 384, K = c.depth, max_m = 384;
   const Tensor offsets = contiguous_tile_offsets(rows_per_group);
   const int32_t* o = offsets.data_as<int32_t>();
@@ -148,6 +148,8 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
         if (gated) {
           const double up = product[static_cast<std::size_t>(outputs + j)];
           want = want / (1.0 + std::exp(-want)) * up;
+        } else if (c.epilogue == GroupedGemmEpilogue::activation) {
+          want = want / (1.0 + std::exp(-want));
         }
         const double have = got.data_as<float>()[row * outputs + j];
         finite = finite && std::isfinite(have);
@@ -161,7 +163,7 @@ TEST_P(HopperGroupedGemmCuda, MatchesFloat64Product) {
   if (!c.also_e4m3) return;
 
   GroupedGemmProblem pq = p;
-  pq.epilogue = GroupedGemmEpilogue::gated_silu_e4m3;
+  pq.epilogue = GroupedGemmEpilogue::gated_e4m3;
   ASSERT_TRUE(hopper_grouped_gemm_supports(pq).ok) << hopper_grouped_gemm_supports(pq).reason;
   ASSERT_EQ(grouped_gemm_out_shape(pq), grouped_gemm_out_shape(p));
   Tensor codes = Tensor::empty(grouped_gemm_out_shape(pq), grouped_gemm_out_dtype(pq), gpu);
@@ -196,20 +198,23 @@ INSTANTIATE_TEST_SUITE_P(
     Formats, HopperGroupedGemmCuda,
     ::testing::Values(
         GemmCase{"bf16_store", false, DType::f32, GroupedGemmEpilogue::store},
-        GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu},
+        GemmCase{"bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated},
         GemmCase{"fp8_store", true, DType::f32, GroupedGemmEpilogue::store},
         GemmCase{"fp8_ue8m0_store", true, DType::ue8m0, GroupedGemmEpilogue::store},
-        GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true},
+        GemmCase{"fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated, false, true},
+        GemmCase{"bf16_activation", false, DType::f32, GroupedGemmEpilogue::activation},
+        GemmCase{"fp8_activation", true, DType::f32, GroupedGemmEpilogue::activation},
+        GemmCase{"masked_fp8_ue8m0_activation", true, DType::ue8m0, GroupedGemmEpilogue::activation, true},
         GemmCase{"masked_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, true},
-        GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, true},
+        GemmCase{"masked_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated, true},
         GemmCase{"masked_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, true},
-        GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated_silu, true, true},
+        GemmCase{"masked_fp8_ue8m0_gated", true, DType::ue8m0, GroupedGemmEpilogue::gated, true, true},
         GemmCase{"deep_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, false, false, 1152},
-        GemmCase{"deep_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated_silu, false, false, 1152},
+        GemmCase{"deep_bf16_gated", false, DType::f32, GroupedGemmEpilogue::gated, false, false, 1152},
         GemmCase{"deep_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, false, false, 1152},
-        GemmCase{"deep_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true, 1152},
+        GemmCase{"deep_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated, false, true, 1152},
         GemmCase{"sparse_bf16_store", false, DType::f32, GroupedGemmEpilogue::store, false, false, 384, true},
-        GemmCase{"sparse_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated_silu, false, true, 384, true},
+        GemmCase{"sparse_fp8_gated", true, DType::f32, GroupedGemmEpilogue::gated, false, true, 384, true},
         GemmCase{"deep_sparse_fp8_store", true, DType::f32, GroupedGemmEpilogue::store, false, false, 1152, true}),
     [](const ::testing::TestParamInfo<GemmCase>& c) { return std::string(c.param.name); });
 
@@ -227,13 +232,13 @@ TEST(HopperGroupedGemm, RefusesTheCpuWithTheReason) {
   EXPECT_THROW(hopper_grouped_gemm(p, out, Stream{}), Error);
 }
 
-// gated_silu_e4m3 writes scales as well as codes: the call without out_scales says so, before any device check.
+// gated_e4m3 writes scales as well as codes: the call without out_scales says so, before any device check.
 TEST(HopperGroupedGemm, QuantizingEpilogueNeedsTheScalesOverload) {
   GroupedGemmProblem p;
   p.rows = Tensor::zeros({128, 128}, DType::f8_e4m3);
   p.weights = Tensor::zeros({1, 256, 128}, DType::f8_e4m3);
   p.tile_offsets = contiguous_tile_offsets({128});
-  p.epilogue = GroupedGemmEpilogue::gated_silu_e4m3;
+  p.epilogue = GroupedGemmEpilogue::gated_e4m3;
   EXPECT_EQ(grouped_gemm_out_dtype(p), DType::f8_e4m3);
   EXPECT_EQ(grouped_gemm_out_scales_shape(p), (Shape{1, 128}));
   Tensor out = Tensor::empty({128, 128}, DType::f8_e4m3);

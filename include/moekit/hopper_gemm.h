@@ -18,19 +18,19 @@
 #include <vector>
 
 #include "moekit/experts.h"
+#include "moekit/gemm_epilogue.h"
 
 namespace moekit {
 
-enum class GroupedGemmEpilogue : uint8_t {
-  store,       // out [M, N] bf16: the products (deepgemm's second projection)
-  gated_silu,  // out [M, N / 2] = silu(gate) * up, weight rows [0, N/2) gate and [N/2, N) up: bf16, or f32
-               // with FP8 operands
-  // FP8 operands only: silu(gate) * up quantised as the FP8 layer's first projection does it (deepgemm):
-  // out [M, N / 2] f8_e4m3 codes and out_scales [N / 256, M] f32 (masked: M = G * max_m), one scale per row
-  // and 128-wide group of the outputs, bit for bit what quantize_activations makes of the f32 gated_silu
-  // output (power-of-two scales when the weight scales are ue8m0). Takes the overload with out_scales.
-  gated_silu_e4m3,
-};
+// The epilogues (gemm_epilogue.h), with SiLU as the activation:
+//   store:      out [M, N] bf16, the products (deepgemm's second projection);
+//   gated:      out [M, N / 2] = silu(gate) * up, weight rows [0, N/2) gate and [N/2, N) up: bf16, or f32 with FP8
+//               operands;
+//   gated_e4m3: FP8 operands only: silu(gate) * up quantised as the FP8 layer's first projection does it (deepgemm):
+//               out [M, N / 2] f8_e4m3 codes and out_scales [N / 256, M] f32 (masked: M = G * max_m), one scale per
+//               row and 128-wide group of the outputs, bit for bit what quantize_activations makes of the f32 gated
+//               output (power-of-two scales when the weight scales are ue8m0). Takes the overload with out_scales;
+//   activation: out [M, N] = silu(products): bf16, or f32 with FP8 operands.
 
 // rows [M, K] @ weights[g] [N, K]^T for the rows of each group g, on one CUDA device.
 // bf16: rows and weights bf16, K and N multiples of 8 (gated: N / 2).
@@ -63,13 +63,13 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p);
 // [G, max_m, N] or [G, max_m, N / 2].
 Shape grouped_gemm_out_shape(const GroupedGemmProblem& p);
 DType grouped_gemm_out_dtype(const GroupedGemmProblem& p);
-// gated_silu_e4m3: the shape of out_scales, [N / 256, M] (f32).
+// gated_e4m3: the shape of out_scales, [N / 256, M] (f32).
 Shape grouped_gemm_out_scales_shape(const GroupedGemmProblem& p);
 
 // Queues the GEMM on the stream (no host synchronisation); throws with the reason when
 // hopper_grouped_gemm_supports refuses the problem or out has the wrong shape, dtype or device.
 void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Stream stream);
-// The same for every epilogue, with out_scales written by gated_silu_e4m3 (and required there; ignored, and
+// The same for every epilogue, with out_scales written by gated_e4m3 (and required there; ignored, and
 // may be undefined, for the others).
 void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Tensor& out_scales, Stream stream);
 

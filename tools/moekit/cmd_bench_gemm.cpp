@@ -306,12 +306,12 @@ void run(GemmBenchCommand& state) {
             if (epilogue == "gated" && projection != "gate_up") continue;  // a gated epilogue pairs gate and up rows
             // gated: the layer's first projection, which with FP8 writes e4m3 codes and their scales.
             p.epilogue = epilogue != "gated" ? GroupedGemmEpilogue::store
-                         : format == "bf16"  ? GroupedGemmEpilogue::gated_silu
-                                             : GroupedGemmEpilogue::gated_silu_e4m3;
+                         : format == "bf16"  ? GroupedGemmEpilogue::gated
+                                             : GroupedGemmEpilogue::gated_e4m3;
             if (const Support ok = hopper_grouped_gemm_supports(p); !ok) MOEKIT_FAIL("bench-gemm: ", ok.reason);
             Tensor out = Tensor::empty(grouped_gemm_out_shape(p), grouped_gemm_out_dtype(p), device);
             Tensor out_scales;
-            if (p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3)
+            if (p.epilogue == GroupedGemmEpilogue::gated_e4m3)
               out_scales = Tensor::empty(grouped_gemm_out_scales_shape(p), DType::f32, device);
             // The flush queued ahead of the start event also hides the host's launch time from the events.
             auto run_once = [&] {

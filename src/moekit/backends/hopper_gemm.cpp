@@ -40,7 +40,7 @@ std::string sizes(const Tensor& t) {
 }
 
 bool gated(const GroupedGemmProblem& p) {
-  return p.epilogue == GroupedGemmEpilogue::gated_silu || p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3;
+  return p.epilogue == GroupedGemmEpilogue::gated || p.epilogue == GroupedGemmEpilogue::gated_e4m3;
 }
 
 }  // namespace
@@ -71,6 +71,9 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
     return Support::no(who +
                        " needs rows, weights and either tile_offsets (the contiguous layout) or masked_m (the "
                        "masked one), not both");
+  if (p.epilogue > GroupedGemmEpilogue::activation)
+    return Support::no(who + ": unknown epilogue " + std::to_string(static_cast<int>(p.epilogue)) +
+                       " (store, gated, gated_e4m3 or activation)");
   if (Support s = hopper_grouped_gemm_supports_device(p.rows.device()); !s) return s;
   const bool q = fp8(p);
   const DType operand = q ? DType::f8_e4m3 : DType::bf16;
@@ -99,9 +102,9 @@ Support hopper_grouped_gemm_supports(const GroupedGemmProblem& p) {
                          sizes(p.tile_offsets));
   }
   if (M > INT32_MAX) return Support::no(who + ": more than 2^31 rows (" + std::to_string(M) + ")");
-  if (p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3 && !q)
+  if (p.epilogue == GroupedGemmEpilogue::gated_e4m3 && !q)
     return Support::no(who +
-                       ": the gated_silu_e4m3 epilogue (the FP8 layer's first projection) takes f8_e4m3 rows "
+                       ": the gated_e4m3 epilogue (the FP8 layer's first projection) takes f8_e4m3 rows "
                        "and weights, got " +
                        sizes(p.rows));
   const bool is_gated = gated(p);
@@ -142,8 +145,10 @@ Shape grouped_gemm_out_shape(const GroupedGemmProblem& p) {
 }
 
 DType grouped_gemm_out_dtype(const GroupedGemmProblem& p) {
-  if (p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3) return DType::f8_e4m3;
-  return fp8(p) && p.epilogue == GroupedGemmEpilogue::gated_silu ? DType::f32 : DType::bf16;
+  if (p.epilogue == GroupedGemmEpilogue::gated_e4m3) return DType::f8_e4m3;
+  // FP8's gated and activation rows stay float, as the layer's do before it quantises them.
+  const bool activated = p.epilogue == GroupedGemmEpilogue::gated || p.epilogue == GroupedGemmEpilogue::activation;
+  return fp8(p) && activated ? DType::f32 : DType::bf16;
 }
 
 Shape grouped_gemm_out_scales_shape(const GroupedGemmProblem& p) {
@@ -151,9 +156,8 @@ Shape grouped_gemm_out_scales_shape(const GroupedGemmProblem& p) {
 }
 
 void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Stream stream) {
-  MOEKIT_CHECK(
-      p.epilogue != GroupedGemmEpilogue::gated_silu_e4m3, kWho,
-      ": the gated_silu_e4m3 epilogue writes scales too: call hopper_grouped_gemm(p, out, out_scales, stream)");
+  MOEKIT_CHECK(p.epilogue != GroupedGemmEpilogue::gated_e4m3, kWho,
+               ": the gated_e4m3 epilogue writes scales too: call hopper_grouped_gemm(p, out, out_scales, stream)");
   Tensor no_scales;
   hopper_grouped_gemm(p, out, no_scales, stream);
 }
@@ -164,12 +168,12 @@ void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Tensor& out_s
                    out.device() == p.rows.device() && out.is_contiguous() && aligned16(out),
                kWho, ": out must be a contiguous, 16-byte aligned ", dtype_name(grouped_gemm_out_dtype(p)), " ",
                shape_string(grouped_gemm_out_shape(p)), " on ", device_name(p.rows.device()), ", got ", sizes(out));
-  const bool quantized_out = p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3;
+  const bool quantized_out = p.epilogue == GroupedGemmEpilogue::gated_e4m3;
   if (quantized_out)
     MOEKIT_CHECK(out_scales.defined() && out_scales.shape() == grouped_gemm_out_scales_shape(p) &&
                      out_scales.dtype() == DType::f32 && out_scales.device() == p.rows.device() &&
                      out_scales.is_contiguous(),
-                 kWho, ": out_scales of the gated_silu_e4m3 epilogue must be a contiguous f32 ",
+                 kWho, ": out_scales of the gated_e4m3 epilogue must be a contiguous f32 ",
                  shape_string(grouped_gemm_out_scales_shape(p)), " on ", device_name(p.rows.device()), ", got ",
                  sizes(out_scales));
 #if MOEKIT_HAS_CUDA
@@ -190,9 +194,7 @@ void hopper_grouped_gemm(const GroupedGemmProblem& p, Tensor& out, Tensor& out_s
   g.row_scales = g.fp8 ? p.row_scales.data_as<float>() : nullptr;
   g.weights = p.weights.data();
   g.weight_scales = g.fp8 ? p.weight_scales.data() : nullptr;
-  g.epilogue = p.epilogue == GroupedGemmEpilogue::gated_silu_e4m3 ? cuda::HopperGemmEpilogue::gated_silu_e4m3
-               : p.epilogue == GroupedGemmEpilogue::gated_silu    ? cuda::HopperGemmEpilogue::gated_silu
-                                                                  : cuda::HopperGemmEpilogue::store_rows;
+  g.epilogue = p.epilogue;
   g.out = out.data();
   g.out_scales = quantized_out ? out_scales.data_as<float>() : nullptr;
   cuda::hopper_grouped_gemm(g, backends::cuda_stream(stream));

@@ -41,24 +41,22 @@ using hopper::kBlockM;
 
 // Weight rows per column block (gated: half gate, half up rows) and pipeline depth, the deepest that fits beside
 // the staging buffers: bf16 4 x 48 KB (beside the first projection's two 17 KB buffers; 3 beside the second's
-// two 33 KB); FP8's gated_activation first projection 128 wide (its second set of accumulators takes the registers
-// of a wider tile) at 6 x 34 KB; FP8's gated_quantized 256 wide, a whole 128-wide group of the intermediate a tile
+// two 33 KB); FP8's gated first projection 128 wide (its second set of accumulators takes the registers
+// of a wider tile) at 6 x 34 KB; FP8's gated_e4m3 256 wide, a whole 128-wide group of the intermediate a tile
 // whose gate and up halves take turns on one set of accumulators (session 24: its GEMM 1.17-1.18x as fast as pairs
 // of 128-wide tiles), at 4 x 49 KB beside its two 9 KB staging buffers; FP8's second projection 256 wide in the same
 // two halves, one weight scale block each (192 wide before: session 20, its GEMM 1.035-1.125x as fast as 128 wide),
 // 3 x 49 KB beside its two 33 KB staging buffers.
 template <bool kFp8, Epilogue kEpi>
-constexpr int kTileN = !kFp8                               ? 256
-                       : kEpi == Epilogue::store_rows      ? 256
-                       : kEpi == Epilogue::gated_quantized ? 256
-                                                           : 128;
+constexpr int kTileN = !kFp8                          ? 256
+                       : kEpi == Epilogue::store      ? 256
+                       : kEpi == Epilogue::gated_e4m3 ? 256
+                                                      : 128;
 template <bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr int kStages = hopper::fitting_stages<kTileN<kFp8, kEpi>, kFp8, kEpi, kGatherA, kFp8 ? 6 : 4>();
-static_assert(kStages<false, Epilogue::gated_activation, false> == 4 &&
-              kStages<false, Epilogue::store_rows, false> == 3 &&
-              kStages<false, Epilogue::gated_activation, true> == 4 &&
-              kStages<true, Epilogue::gated_activation, false> == 6 &&
-              kStages<true, Epilogue::gated_quantized, false> == 4 && kStages<true, Epilogue::store_rows, false> == 3);
+static_assert(kStages<false, Epilogue::gated, false> == 4 && kStages<false, Epilogue::store, false> == 3 &&
+              kStages<false, Epilogue::gated, true> == 4 && kStages<true, Epilogue::gated, false> == 6 &&
+              kStages<true, Epilogue::gated_e4m3, false> == 4 && kStages<true, Epilogue::store, false> == 3);
 
 std::size_t align256(std::size_t b) {
   return (b + 255) / 256 * 256;
@@ -352,7 +350,8 @@ void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUten
   // The masked layout's tiles of one group are not adjacent in rows; pairs share weights only in the
   // contiguous one; nor in projections shallower than kPairsMinDepth: a stage is refilled only once both blocks have
   // released it, and with few k-blocks a tile that coupling costs more than the shared weight tiles save (GEMM FP8
-  // down at Qwen3's K = 768: 1.046x unpaired; at DeepSeek-V3's K = 2,048 pairs pay: docs/history/benchmarks-hopper-sessions-6-26.md, sessions 22-23).
+  // down at Qwen3's K = 768: 1.046x unpaired; at DeepSeek-V3's K = 2,048 pairs pay:
+  // docs/history/benchmarks-hopper-sessions-6-26.md, sessions 22-23).
   constexpr int64_t kPairsMinDepth = 1024;
   const bool deep = int64_t{p.k_blocks} * hopper::kStageK<kFp8> >= kPairsMinDepth;
   if (use_clusters() && !p.masked_m && deep)
@@ -419,8 +418,8 @@ struct GemmProjection {
   bool interleaved = false;
   int64_t outputs = 0;  // columns of out
   void* out = nullptr;
-  float* out_scales = nullptr;  // gated_quantized: the codes' scales [outputs / 128, rows of the layout]
-  bool weighted = false;        // store_rows multiplies each row by its pair's routing weight
+  float* out_scales = nullptr;  // gated_e4m3: the codes' scales [outputs / 128, rows of the layout]
+  bool weighted = false;        // store multiplies each row by its pair's routing weight
   // The masked layout (hopper::GemmParams): rows per group and each group's own rows.
   const int32_t* masked_m = nullptr;
   int64_t masked_rows = 0;
@@ -507,9 +506,9 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
     if (!a.has_gate)
       launch_up.template operator()<Epilogue::activation>();
     else if constexpr (kFp8)
-      launch_up.template operator()<Epilogue::gated_quantized>();
+      launch_up.template operator()<Epilogue::gated_e4m3>();
     else
-      launch_up.template operator()<Epilogue::gated_activation>();
+      launch_up.template operator()<Epilogue::gated>();
 
     const void* down_rows = hidden;
     const float* down_scales = nullptr;
@@ -529,7 +528,7 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
                               .outputs = a.hidden,
                               .out = y,
                               .weighted = gather};  // sonicmoe weights its rows here, deepgemm in the combine
-    run_projection<T, Epilogue::store_rows, false, kFp8>(a, r.tile_offsets, padded_pair, max_tiles, down, stream);
+    run_projection<T, Epilogue::store, false, kFp8>(a, r.tile_offsets, padded_pair, max_tiles, down, stream);
   }
   launch_combine_rows(a, pair_padded_row, y, false, /*weighted=*/!gather, stream);
 }
@@ -585,18 +584,20 @@ void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 }
 
 void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
-  const bool quantized_out = g.epilogue == HopperGemmEpilogue::gated_silu_e4m3;
-  const bool gated = g.epilogue == HopperGemmEpilogue::gated_silu || quantized_out;
+  const bool quantized_out = g.epilogue == Epilogue::gated_e4m3;
+  const bool gated = g.epilogue == Epilogue::gated || quantized_out;
   MOEKIT_CHECK(!quantized_out || (g.fp8 && g.out_scales),
-               "the Hopper grouped GEMM: gated_silu_e4m3 needs FP8 operands and out_scales");
+               "the Hopper grouped GEMM: gated_e4m3 needs FP8 operands and out_scales");
   // What the kernel reads of an experts call: the sizes its epilogues and scale lookups use, the
   // activation and the scale format; no biases, routing or gathered rows.
   ExpertsArgs a;
   a.dtype = DType::bf16;
   a.experts = g.groups;
-  a.hidden = gated ? g.k : g.n;
-  a.intermediate = gated ? g.n / 2 : g.k;
-  a.has_gate = true;
+  // The first projection's shape (gated, activation) or the second's (store).
+  const bool first = gated || g.epilogue == Epilogue::activation;
+  a.hidden = first ? g.k : g.n;
+  a.intermediate = gated ? g.n / 2 : first ? g.n : g.k;
+  a.has_gate = g.epilogue != Epilogue::activation;  // activation: act(x), ungated
   a.act = Act::silu;
   a.weights = g.fp8 ? WeightFormat::fp8_e4m3 : WeightFormat::none;
   a.ue8m0_scales = g.ue8m0_scales;
@@ -626,19 +627,30 @@ void hopper_grouped_gemm(const HopperGemmArgs& g, cudaStream_t stream) {
     MOEKIT_CUDA_CHECK_LAUNCH();
   }
   const int32_t* tile_offsets = g.masked_m ? masked_offsets : g.tile_offsets;
-  // The same instantiations as the layer's: store_rows is its second projection, gated (gated_quantized with
-  // FP8) its first.
+  // The same instantiations as the layer's: store is its second projection, gated (gated_e4m3 with FP8) its first,
+  // activation an ungated first projection's.
   auto run = [&]<Epilogue kEpi, bool kFp8>() {
     run_projection<bf16, kEpi, false, kFp8>(a, tile_offsets, nullptr, g.max_tiles, j, stream);
   };
-  if (quantized_out)
-    run.template operator()<Epilogue::gated_quantized, true>();
-  else if (gated)
-    g.fp8 ? run.template operator()<Epilogue::gated_activation, true>()
-          : run.template operator()<Epilogue::gated_activation, false>();
-  else
-    g.fp8 ? run.template operator()<Epilogue::store_rows, true>()
-          : run.template operator()<Epilogue::store_rows, false>();
+  auto run_format = [&]<Epilogue kEpi>() {
+    g.fp8 ? run.template operator()<kEpi, true>() : run.template operator()<kEpi, false>();
+  };
+  switch (g.epilogue) {
+    case Epilogue::store:
+      run_format.template operator()<Epilogue::store>();
+      break;
+    case Epilogue::gated:
+      run_format.template operator()<Epilogue::gated>();
+      break;
+    case Epilogue::gated_e4m3:
+      run.template operator()<Epilogue::gated_e4m3, true>();
+      break;
+    case Epilogue::activation:
+      run_format.template operator()<Epilogue::activation>();
+      break;
+    default:
+      MOEKIT_FAIL("the Hopper grouped GEMM: unknown epilogue ", static_cast<int>(g.epilogue));
+  }
   if (masked_offsets) MOEKIT_CUDA_CHECK(cudaFreeAsync(masked_offsets, stream));
 }
 

@@ -7,16 +7,9 @@
 #include <cstdint>
 
 #include "moekit/cuda/experts_cuda.h"
+#include "moekit/gemm_epilogue.h"
 
 namespace moekit::cuda {
-
-enum class HopperGemmEpilogue : uint8_t {
-  store_rows,       // out [M, N] bf16: the products as they are (deepgemm's second projection)
-  gated_silu,       // out [M, N / 2] = silu(gate) * up, weight rows [0, N/2) gate and [N/2, N) up: bf16, or float
-                    // with FP8 operands
-  gated_silu_e4m3,  // FP8 only: the same as e4m3 codes [M, N / 2] and out_scales [N / 256, M] (deepgemm's first
-                    // projection, Epilogue::gated_quantized)
-};
 
 // rows [M, K] @ weights [G, N, K]^T -> out, rows grouped in DeepGEMM's contiguous layout (or its masked
 // one, below): group g owns the 128-row tiles [tile_offsets[g], tile_offsets[g + 1]) of rows and out, and
@@ -32,9 +25,9 @@ struct HopperGemmArgs {
   const float* row_scales = nullptr;      // FP8: [K / 128, 128 * max_tiles], one per row and 128-deep block
   const void* weights = nullptr;          // [G, N, K] bf16 or e4m3
   const void* weight_scales = nullptr;    // FP8: [G, N / 128, K / 128], one per 128 x 128 block
-  HopperGemmEpilogue epilogue = HopperGemmEpilogue::store_rows;
+  GroupedGemmEpilogue epilogue = GroupedGemmEpilogue::store;  // SiLU where it activates
   void* out = nullptr;
-  float* out_scales = nullptr;  // gated_silu_e4m3: [N / 256, 128 * max_tiles]
+  float* out_scales = nullptr;  // gated_e4m3: [N / 256, 128 * max_tiles]
   // The masked layout instead (DeepGEMM's, for decode): rows [G, max_m, K] and out [G, max_m, outputs],
   // group g's own rows the first masked_m[g] (clamped to [0, max_m]); max_m a multiple of 128,
   // max_tiles = G * max_m / 128, tile_offsets unused (made on the device from masked_m). Output rows past

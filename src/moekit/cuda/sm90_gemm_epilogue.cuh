@@ -1,8 +1,8 @@
 // The Hopper grouped GEMM's epilogues, run by a math warpgroup on its 64 rows of a finished tile's accumulators:
-//   store_rows:       the second projection plus its bias (times the pair's routing weight with weight_rows) in T;
-//   gated_activation: act(gate) * up of the paired gate and up columns, in T (FP8: float for a quantising pass);
-//   gated_quantized:  the same quantised to e4m3 codes and 1 x 128 scales in the epilogue (FP8);
-//   activation:       act(x) of an ungated first projection.
+//   store:      the second projection plus its bias (times the pair's routing weight with weight_rows) in T;
+//   gated:      act(gate) * up of the paired gate and up columns, in T (FP8: float for a quantising pass);
+//   gated_e4m3: the same quantised to e4m3 codes and 1 x 128 scales in the epilogue (FP8);
+//   activation: act(x) of an ungated first projection, in T (FP8: float).
 // Stored by the warpgroup itself (2-byte outputs in 16-byte row pieces), or staged into its shared-memory buffer
 // for the producer warpgroup's copying warps (copy_staged) while it goes on to its next tile.
 #pragma once
@@ -83,12 +83,12 @@ __device__ __forceinline__ void store_group_pair(O* out, int64_t ld, int64_t row
     *reinterpret_cast<uint4*>(out + row * ld + col) = make_uint4(mine[0], mine[1], mine[2], mine[3]);
 }
 
-// The routing weights of this thread's two rows of a tile (store_rows with weight_rows; 1 otherwise),
+// The routing weights of this thread's two rows of a tile (store with weight_rows; 1 otherwise),
 // read when the tile starts so that the epilogue does not wait for them.
 template <typename T, Epilogue kEpi>
 __device__ __forceinline__ void row_weights(const GemmParams& p, int64_t m_tile, int math, float (&weight)[2]) {
   weight[0] = weight[1] = 1.0f;
-  if (kEpi != Epilogue::store_rows || !p.weight_rows) return;
+  if (kEpi != Epilogue::store || !p.weight_rows) return;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -148,7 +148,7 @@ __device__ __forceinline__ float2 gated_pair_as(const ExpertsArgs& a, const floa
   return activate_gate_up<kSilu>(a, gate_up_pair<T, BN>(a, acc, bias, j, i));
 }
 
-// FP8's gated first projection quantised in its epilogue (Epilogue::gated_quantized), in place of float rows
+// FP8's gated first projection quantised in its epilogue (Epilogue::gated_e4m3), in place of float rows
 // and a pass of quantize_rows over them. A tile is 256 wide: the 128 gate and 128 up rows of the intermediate's
 // 128-wide group n_block, so that once they are activated a quad holds a row's 128 values, two shuffles give the
 // row's largest magnitude, and each value becomes the e4m3 code of value / scale: bit for bit what quantize_rows writes
@@ -221,7 +221,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int64_t row_base = tile_row + math * 64;
   constexpr bool kPacked = !std::is_same_v<O, float>;  // 2-byte outputs go through store_group_pair
-  if constexpr (kEpi == Epilogue::gated_activation) {
+  if constexpr (kEpi == Epilogue::gated) {
     constexpr int kHalf = BN / 4;
     const int64_t N = 2 * a.intermediate;
     const int64_t col_base = int64_t{n_block} * (BN / 2);
@@ -250,10 +250,10 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     const int64_t col_base = int64_t{n_block} * BN;
     // This thread's biases: columns col_base + 2 (lane % 4) + 8 c for c = 0 .. BN / 8 - 1, `left` of them inside
     // the output. Addressed from one base with constant offsets: with a 64-bit column and bound per pair, the
-    // bf16 store_rows kernels spilled.
+    // bf16 store kernels spilled.
     const T* bias = nullptr;
     if (kEpi == Epilogue::activation && a.up_bias) bias = static_cast<const T*>(a.up_bias);
-    if (kEpi == Epilogue::store_rows && a.down_bias) bias = static_cast<const T*>(a.down_bias);
+    if (kEpi == Epilogue::store && a.down_bias) bias = static_cast<const T*>(a.down_bias);
     const int64_t first_col = col_base + (lane % 4) * 2;
     if (bias) bias += expert * p.outputs + first_col;
     const int left = static_cast<int>(min(p.outputs - first_col, int64_t{BN}));
@@ -321,7 +321,7 @@ __device__ __forceinline__ void finish_tile(const GemmParams& p, const float* ac
   using Out = typename C::Out;
   constexpr int BN = C::BN, kCols = C::kCols;
   constexpr Epilogue kEpi = C::kEpi;
-  if constexpr (kEpi == Epilogue::gated_quantized) {
+  if constexpr (kEpi == Epilogue::gated_e4m3) {
     named_sync(5 + math, 128 + kCopyThreads);  // the copying warps are done with the previous tile's codes
     quantized_gated_epilogue<T, BN>(p, acc, t.expert, t.row, t.n_block, math, staged + math * kStagedBytes<kCols>);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the codes, to the bulk copy engine

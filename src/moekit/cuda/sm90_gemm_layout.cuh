@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "moekit/cuda/device_math.cuh"
+#include "moekit/gemm_epilogue.h"
 
 namespace moekit::cuda::hopper {
 
@@ -36,10 +37,10 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t bar, uint32_t rank)
   return mapped;
 }
 
-// gated_quantized: FP8's gated first projection quantised in its epilogue (quantized_gated_epilogue).
-enum class Epilogue : uint8_t { gated_activation, gated_quantized, activation, store_rows };
+// The epilogue kinds are the public ones (gemm_epilogue.h); gated_e4m3 is quantized_gated_epilogue.
+using Epilogue = GroupedGemmEpilogue;
 template <Epilogue kEpi>
-constexpr bool kGated = kEpi == Epilogue::gated_activation || kEpi == Epilogue::gated_quantized;
+constexpr bool kGated = kEpi == Epilogue::gated || kEpi == Epilogue::gated_e4m3;
 
 struct GemmParams {
   ExpertsArgs a;                          // sizes, activation, biases
@@ -50,13 +51,13 @@ struct GemmParams {
   int64_t outputs = 0;                    // valid output columns (I for the first projection, H for the second)
   void* out = nullptr;                    // [rows, outputs] in T
   // [rows]: the (token, slot) pair of each padded row, -1 for padding. Read by the gathering producer
-  // and, when weight_rows, by the store_rows epilogue.
+  // and, when weight_rows, by the store epilogue.
   const int32_t* padded_pair = nullptr;
   bool weight_rows = false;
   // FP8: the weights' block scales [E, b_scale_rows, k_blocks] (f32, or ue8m0 with a.ue8m0_scales).
   const void* b_scales = nullptr;
   int64_t b_scale_rows = 0;
-  // gated_quantized: out holds e4m3 codes [rows, outputs] and out_scales their scales [outputs / 128,
+  // gated_e4m3: out holds e4m3 codes [rows, outputs] and out_scales their scales [outputs / 128,
   // out_scale_rows], as quantize_rows writes them.
   float* out_scales = nullptr;
   int64_t out_scale_rows = 0;
@@ -88,21 +89,20 @@ constexpr int kOutCols = kGated<kEpi> ? BN / 2 : BN;
 // Epilogues with 2-byte outputs stage their rows: the second projection (FP8 and bf16/f16) and the bf16/f16
 // gated first projection. Measured (GEMM alone, m 512): FP8 DeepSeek-V3 down 697 -> 761-784 TFLOP/s, Qwen3
 // down 418 -> 523; bf16 Qwen3 down 234 -> 200 us. FP8's first projection wrote float rows, twice the bytes,
-// and staged them slower (814 -> 732-736); gated, it now writes e4m3 codes (gated_quantized), and the ungated
+// and staged them slower (814 -> 732-736); gated, it now writes e4m3 codes (gated_e4m3), and the ungated
 // activation epilogue is not staged. Nor is any with kGatherA, whose producer warps all gather.
 //
-// FP8's gated first projection (gated_quantized) stages its e4m3 codes too: a row's 128 codes of a group take the
+// FP8's gated first projection (gated_e4m3) stages its e4m3 codes too: a row's 128 codes of a group take the
 // place of 64 2-byte outputs. Storing them itself, 2 bytes a thread per instruction, each store's register held
 // until the store had read it, its math warps waited 9% of the kernel's samples on those stores (ncu, Qwen3 gate+up
 // at m 512; the whole epilogue took 39% of the math warps' samples, and the GEMM ran 1.45x as fast without it).
 template <bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr bool staged_epilogue() {
-  return !kGatherA && (kEpi == Epilogue::store_rows || kEpi == Epilogue::gated_quantized ||
-                       (!kFp8 && kEpi == Epilogue::gated_activation));
+  return !kGatherA && (kEpi == Epilogue::store || kEpi == Epilogue::gated_e4m3 || (!kFp8 && kEpi == Epilogue::gated));
 }
-// 2-byte columns of a staged row: the tile's outputs, or gated_quantized's group of 128 codes (as 64 2-byte units).
+// 2-byte columns of a staged row: the tile's outputs, or gated_e4m3's group of 128 codes (as 64 2-byte units).
 template <int BN, Epilogue kEpi>
-constexpr int kStagedCols = kEpi == Epilogue::gated_quantized ? 64 : kOutCols<BN, kEpi>;
+constexpr int kStagedCols = kEpi == Epilogue::gated_e4m3 ? 64 : kOutCols<BN, kEpi>;
 // Shared memory of the epilogues: the staging buffers.
 template <int BN, bool kFp8, Epilogue kEpi, bool kGatherA>
 constexpr int staged_epilogue_bytes() {
@@ -145,9 +145,9 @@ struct GemmConfig {
   static constexpr int kStages = kStages_, kCluster = kCluster_;
   static constexpr bool kGatherA = kGatherA_, kFp8 = kFp8_;
   using In = std::conditional_t<kFp8, f8_e4m3, T>;  // operand type
-  using Out = std::conditional_t<kFp8 && kEpi != Epilogue::store_rows, float, T>;
-  // What the copying warps store: the 2-byte outputs, or gated_quantized's e4m3 codes two at a time.
-  using Staged = std::conditional_t<kEpi == Epilogue::gated_quantized, uint16_t, Out>;
+  using Out = std::conditional_t<kFp8 && kEpi != Epilogue::store, float, T>;
+  // What the copying warps store: the 2-byte outputs, or gated_e4m3's e4m3 codes two at a time.
+  using Staged = std::conditional_t<kEpi == Epilogue::gated_e4m3, uint16_t, Out>;
   static constexpr int kHalfRows = BN / 2;  // the weight tile is copied as two halves (gated: gate rows, up rows)
   static constexpr int kABytes = kBlockM * kRowBytes, kHalfBytes = kHalfRows * kRowBytes;
   static constexpr int kStageBytes = stage_bytes<BN, kFp8>();
@@ -159,8 +159,8 @@ struct GemmConfig {
   static constexpr int kPartAccumulators = kFp8 ? (BN == 256 ? BN / 4 : BN / 2) : 1;
   static_assert(kCluster == 1 || kCluster == 2);
   static_assert(!(kGatherA && kFp8), "the gathering producer copies 2-byte rows");
-  static_assert(kEpi != Epilogue::gated_quantized || (kFp8 && BN == 256),
-                "gated_quantized: FP8 tiles of 128 outputs, a whole group of the intermediate");
+  static_assert(kEpi != Epilogue::gated_e4m3 || (kFp8 && BN == 256),
+                "gated_e4m3: FP8 tiles of 128 outputs, a whole group of the intermediate");
 };
 
 }  // namespace moekit::cuda::hopper

@@ -6,9 +6,9 @@
 
 #include <cutlass/arch/barrier.h>
 
+#include <cstdint>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
-#include <cstdint>
 #include <type_traits>
 #include <utility>
 
@@ -45,7 +45,6 @@ __device__ __forceinline__ float decode_scale(uint32_t bits, bool ue8m0) {
       : "r"(bits), "r"(static_cast<uint32_t>(ue8m0)));
   return __uint_as_float(value);
 }
-
 
 template <typename T, int N>
 struct WgmmaOp;
@@ -85,7 +84,6 @@ __device__ __forceinline__ uint64_t smem_descriptor(const void* p) {
   d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
   return d.desc_;
 }
-
 
 // A math warpgroup's side of the stage ring: the stage it reads next and its phase, and the release of a stage to the
 // producer, this block's and (clusters) the peer's: thread 0 of the warpgroup arrives on the stage's "empty" barrier
@@ -139,7 +137,7 @@ __device__ __forceinline__ void pass_stages(MathPipeline<C::kStages, C::kCluster
 
 // FP8: where the two weight scale blocks of tile t start (`ue8m0`: one byte a scale, else float32). 128 wide: those
 // of its two 64-row halves (gated: its gate and up rows); gated 256 wide: those of its gate and up rows (interleaved
-// rows: those of its columns 0-63 and 64-127, gate and up rows alike); store_rows 256 wide: those of its two 128-row
+// rows: those of its columns 0-63 and 64-127, gate and up rows alike); store 256 wide: those of its two 128-row
 // halves (the last block where the second half is past the weights' rows).
 template <class C>
 __device__ __forceinline__ void weight_scale_bases(const GemmParams& p, const Tile& t, bool ue8m0,
@@ -171,33 +169,32 @@ __device__ __forceinline__ void mma_16bit(MathPipeline<C::kStages, C::kCluster>&
   using Op = typename WgmmaOp<typename C::In, C::BN>::type;
   constexpr int BN = C::BN, kStageBytes = C::kStageBytes;
   constexpr bool kGatherA = C::kGatherA;
-    int previous = -1;
-    for (int kb = 0; kb < p.k_blocks; ++kb) {
-      pipe.wait_full("full", unit, kb, t, math);
-      // Rows gathered by cp.async were written through the generic proxy; wgmma reads through the async one.
-      if constexpr (kGatherA) cutlass::arch::fence_view_async_shared();
-      const uint32_t stage_offset = static_cast<uint32_t>(pipe.stage) * (kStageBytes >> 4);
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k16) of 2-byte values per wgmma
-        wgmma<Op>(with_address(d.hi, d.a_lo + stage_offset + 2 * kk),
-                  with_address(d.hi, d.b_lo + stage_offset + 2 * kk), acc, kb > 0 || kk > 0,
-                  std::make_index_sequence<BN / 2>{});
-      cute::warpgroup_commit_batch();
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-      // One batch stays in flight: wait for the previous k block's products, then free its pipe.stage.
-      cute::warpgroup_wait<1>();
-      if (previous >= 0) pipe.release(previous);
-      previous = pipe.stage;
-      pipe.next();
-    }
-    cute::warpgroup_wait<0>();
+  int previous = -1;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    pipe.wait_full("full", unit, kb, t, math);
+    // Rows gathered by cp.async were written through the generic proxy; wgmma reads through the async one.
+    if constexpr (kGatherA) cutlass::arch::fence_view_async_shared();
+    const uint32_t stage_offset = static_cast<uint32_t>(pipe.stage) * (kStageBytes >> 4);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k16) of 2-byte values per wgmma
+      wgmma<Op>(with_address(d.hi, d.a_lo + stage_offset + 2 * kk), with_address(d.hi, d.b_lo + stage_offset + 2 * kk),
+                acc, kb > 0 || kk > 0, std::make_index_sequence<BN / 2>{});
+    cute::warpgroup_commit_batch();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+    // One batch stays in flight: wait for the previous k block's products, then free its pipe.stage.
+    cute::warpgroup_wait<1>();
     if (previous >= 0) pipe.release(previous);
+    previous = pipe.stage;
+    pipe.next();
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
+  if (previous >= 0) pipe.release(previous);
 }
 
 // FP8: tile t's products into acc, each 128-deep block's products (one stage) into `part` first and added to acc
@@ -212,129 +209,128 @@ __device__ __forceinline__ void mma_fp8(MathPipeline<C::kStages, C::kCluster>& p
   using Op = typename WgmmaOp<In, C::BN>::type;
   constexpr int BN = C::BN, kStageBytes = C::kStageBytes, kHalfBytes = C::kHalfBytes;
   constexpr Epilogue kEpi = C::kEpi;
-    // FP8. Everything block kb + 1 needs before its wgmma batch (its stage's "full" barrier, its row scales,
-    // its weight scales) is done while block kb's batch runs, so that after the batch only the stage's
-    // release and the promotion stand before the next batch (measured: with that work between the
-    // promotion and the next batch, each warp's chain of dependent instructions, not the tensor cores,
-    // set the pace).
-    float a_scale[2];  // the row scales of the block (rows r and r + 8 of the thread)
-    auto wait_and_read_rows = [&](int kb) {
-      pipe.wait_full("full", unit, kb, t, math);
-      const uint32_t at = row_scales0 + static_cast<uint32_t>(pipe.stage * kStageBytes);
-      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
-      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
-    };
-    // Block kb's scales, [row r, r + 8][the first or second weight scale block], from its weight scale bits
-    // `b_bits`, which then take block kb + 2's.
-    auto block_scales = [&](int kb, uint32_t(&b_bits)[2], float(&scale)[2][2]) {
-      const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
+  // FP8. Everything block kb + 1 needs before its wgmma batch (its stage's "full" barrier, its row scales,
+  // its weight scales) is done while block kb's batch runs, so that after the batch only the stage's
+  // release and the promotion stand before the next batch (measured: with that work between the
+  // promotion and the next batch, each warp's chain of dependent instructions, not the tensor cores,
+  // set the pace).
+  float a_scale[2];  // the row scales of the block (rows r and r + 8 of the thread)
+  auto wait_and_read_rows = [&](int kb) {
+    pipe.wait_full("full", unit, kb, t, math);
+    const uint32_t at = row_scales0 + static_cast<uint32_t>(pipe.stage * kStageBytes);
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[0]) : "r"(at));
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(a_scale[1]) : "r"(at + 4 * 8));  // row + 8
+  };
+  // Block kb's scales, [row r, r + 8][the first or second weight scale block], from its weight scale bits
+  // `b_bits`, which then take block kb + 2's.
+  auto block_scales = [&](int kb, uint32_t(&b_bits)[2], float(&scale)[2][2]) {
+    const float b0 = decode_scale(b_bits[0], ue8m0), b1 = decode_scale(b_bits[1], ue8m0);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
-      const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
-      b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
-      b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
-    };
-    // Runs block(kb, slot) over the tile's blocks. Weight scales are requested two blocks ahead into two slots
-    // used alternately (the loop body is written out twice): with one register carried from load to use, the
-    // compiler copied it right after the load and so waited for the load.
-    auto each_block = [&](auto&& block) {
-      uint32_t b_slot[2][2];
+    for (int r = 0; r < 2; ++r) scale[r][0] = a_scale[r] * b0, scale[r][1] = a_scale[r] * b1;
+    const int after = kb + 2 < p.k_blocks ? kb + 2 : kb;
+    b_bits[0] = load_scale_bits(scale_base[0], after, ue8m0);
+    b_bits[1] = load_scale_bits(scale_base[1], after, ue8m0);
+  };
+  // Runs block(kb, slot) over the tile's blocks. Weight scales are requested two blocks ahead into two slots
+  // used alternately (the loop body is written out twice): with one register carried from load to use, the
+  // compiler copied it right after the load and so waited for the load.
+  auto each_block = [&](auto&& block) {
+    uint32_t b_slot[2][2];
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
-      wait_and_read_rows(0);
-      for (int kb = 0; kb < p.k_blocks; kb += 2) {
-        block(kb, b_slot[0]);
-        if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
-      }
-    };
-    // 128 wide. kSplit: the accumulators [0, kSplit) (columns below 2 kSplit, the first 64-row half's) take the
-    // first weight scale block, the rest the second. Generic so that only the 128-wide instantiations compile it.
-    auto fp8_tile = [&](auto split) {
-      constexpr int kSplit = decltype(split)::value;
-      each_block([&](int kb, uint32_t(&b_bits)[2]) {
-        const int issued = pipe.stage;
-        const uint32_t stage_offset = static_cast<uint32_t>(pipe.stage) * (kStageBytes >> 4);
+      for (int h = 0; h < 2; ++h) b_slot[j][h] = load_scale_bits(scale_base[h], j < p.k_blocks ? j : 0, ue8m0);
+    wait_and_read_rows(0);
+    for (int kb = 0; kb < p.k_blocks; kb += 2) {
+      block(kb, b_slot[0]);
+      if (kb + 1 < p.k_blocks) block(kb + 1, b_slot[1]);
+    }
+  };
+  // 128 wide. kSplit: the accumulators [0, kSplit) (columns below 2 kSplit, the first 64-row half's) take the
+  // first weight scale block, the rest the second. Generic so that only the 128-wide instantiations compile it.
+  auto fp8_tile = [&](auto split) {
+    constexpr int kSplit = decltype(split)::value;
+    each_block([&](int kb, uint32_t(&b_bits)[2]) {
+      const int issued = pipe.stage;
+      const uint32_t stage_offset = static_cast<uint32_t>(pipe.stage) * (kStageBytes >> 4);
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+      for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k32) of e4m3 per wgmma
+        wgmma<Op>(with_address(d.hi, d.a_lo + stage_offset + 2 * kk),
+                  with_address(d.hi, d.b_lo + stage_offset + 2 * kk), part, kk > 0, std::make_index_sequence<BN / 2>{});
+      cute::warpgroup_commit_batch();
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+      float scale[2][2];
+      block_scales(kb, b_bits, scale);
+      pipe.next();
+      // While the batch runs: block kb + 1's stage and row scales.
+      if (kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1);
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
+      pipe.release(issued);
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < kSplit ? 0 : 1], acc[i]);
+    });
+  };
+  // 256 wide: each 128-deep block's products in two batches of m64n128k32, one per 128-row half of the weight
+  // tile (gated: the gate rows', then the up rows'), into one set of 64 accumulators promoted after each (two
+  // sets of 128 would not leave the registers for anything else). gated_e4m3's tile is then a whole group
+  // of the intermediate, and each of store' halves takes one weight scale block.
+  // Generic in the half's width so that only the 256-wide instantiations, which call it, compile its body.
+  auto fp8_halves = [&](auto half_rows) {
+    constexpr int kHalfN = decltype(half_rows)::value;
+    using HalfOp = typename WgmmaOp<In, kHalfN>::type;
+    constexpr int kPart = kHalfN / 2;  // accumulators of a half
+    const bool interleaved = kGated<kEpi> && p.interleaved;
+    each_block([&](int kb, uint32_t(&b_bits)[2]) {
+      const int issued = pipe.stage;
+      const uint32_t stage_offset = static_cast<uint32_t>(pipe.stage) * (kStageBytes >> 4);
+      float scale[2][2];
+      block_scales(kb, b_bits, scale);
+      pipe.next();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // The scales of this half's columns 0-63 and 64-127 (rows r and r + 8).
+        float low[2], high[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          low[r] = interleaved ? scale[r][0] : scale[r][h];
+          high[r] = interleaved ? scale[r][1] : scale[r][h];
+        }
+#pragma unroll
+        for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
         cute::warpgroup_arrive();
 #pragma unroll
-        for (int kk = 0; kk < kRowBytes / 32; ++kk)  // 32 bytes (k32) of e4m3 per wgmma
-          wgmma<Op>(with_address(d.hi, d.a_lo + stage_offset + 2 * kk),
-                    with_address(d.hi, d.b_lo + stage_offset + 2 * kk), part, kk > 0,
-                    std::make_index_sequence<BN / 2>{});
+        for (int kk = 0; kk < kRowBytes / 32; ++kk)
+          wgmma<HalfOp>(with_address(d.hi, d.a_lo + stage_offset + 2 * kk),
+                        with_address(d.hi, d.b_lo + stage_offset + h * (kHalfBytes >> 4) + 2 * kk), part, kk > 0,
+                        std::make_index_sequence<kPart>{});
         cute::warpgroup_commit_batch();
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
-        float scale[2][2];
-        block_scales(kb, b_bits, scale);
-        pipe.next();
-        // While the batch runs: block kb + 1's stage and row scales.
-        if (kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1);
+        for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+        // While the up rows' batch runs: block kb + 1's stage and row scales.
+        if (h == 1 && kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1);
         cute::warpgroup_wait<0>();
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(part[i]);
-        pipe.release(issued);
+        for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+        if (h == 1) pipe.release(issued);
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[i] = fmaf(part[i], scale[(i >> 1) & 1][i < kSplit ? 0 : 1], acc[i]);
-      });
-    };
-    // 256 wide: each 128-deep block's products in two batches of m64n128k32, one per 128-row half of the weight
-    // tile (gated: the gate rows', then the up rows'), into one set of 64 accumulators promoted after each (two
-    // sets of 128 would not leave the registers for anything else). gated_quantized's tile is then a whole group
-    // of the intermediate, and each of store_rows' halves takes one weight scale block.
-    // Generic in the half's width so that only the 256-wide instantiations, which call it, compile its body.
-    auto fp8_halves = [&](auto half_rows) {
-      constexpr int kHalfN = decltype(half_rows)::value;
-      using HalfOp = typename WgmmaOp<In, kHalfN>::type;
-      constexpr int kPart = kHalfN / 2;  // accumulators of a half
-      const bool interleaved = kGated<kEpi> && p.interleaved;
-      each_block([&](int kb, uint32_t(&b_bits)[2]) {
-        const int issued = pipe.stage;
-        const uint32_t stage_offset = static_cast<uint32_t>(pipe.stage) * (kStageBytes >> 4);
-        float scale[2][2];
-        block_scales(kb, b_bits, scale);
-        pipe.next();
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          // The scales of this half's columns 0-63 and 64-127 (rows r and r + 8).
-          float low[2], high[2];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            low[r] = interleaved ? scale[r][0] : scale[r][h];
-            high[r] = interleaved ? scale[r][1] : scale[r][h];
-          }
-#pragma unroll
-          for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
-          cute::warpgroup_arrive();
-#pragma unroll
-          for (int kk = 0; kk < kRowBytes / 32; ++kk)
-            wgmma<HalfOp>(with_address(d.hi, d.a_lo + stage_offset + 2 * kk),
-                          with_address(d.hi, d.b_lo + stage_offset + h * (kHalfBytes >> 4) + 2 * kk), part,
-                          kk > 0, std::make_index_sequence<kPart>{});
-          cute::warpgroup_commit_batch();
-#pragma unroll
-          for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
-          // While the up rows' batch runs: block kb + 1's stage and row scales.
-          if (h == 1 && kb + 1 < p.k_blocks) wait_and_read_rows(kb + 1);
-          cute::warpgroup_wait<0>();
-#pragma unroll
-          for (int i = 0; i < kPart; ++i) cute::warpgroup_fence_operand(part[i]);
-          if (h == 1) pipe.release(issued);
-#pragma unroll
-          for (int i = 0; i < kPart; ++i)
-            acc[h * kPart + i] =
-                fmaf(part[i], i < kPart / 2 ? low[(i >> 1) & 1] : high[(i >> 1) & 1], acc[h * kPart + i]);
-        }
-      });
-    };
-    static_assert(BN == 128 || (BN == 256 && (kEpi == Epilogue::gated_quantized || kEpi == Epilogue::store_rows)),
-                  "FP8 tiles: 128 wide, or 256 for gated_quantized and store_rows");
-    if constexpr (BN == 256)
-      fp8_halves(std::integral_constant<int, BN / 2>{});
-    else
-      fp8_tile(std::integral_constant<int, BN / 4>{});  // the two 64-row halves
+        for (int i = 0; i < kPart; ++i)
+          acc[h * kPart + i] =
+              fmaf(part[i], i < kPart / 2 ? low[(i >> 1) & 1] : high[(i >> 1) & 1], acc[h * kPart + i]);
+      }
+    });
+  };
+  static_assert(BN == 128 || (BN == 256 && (kEpi == Epilogue::gated_e4m3 || kEpi == Epilogue::store)),
+                "FP8 tiles: 128 wide, or 256 for gated_e4m3 and store");
+  if constexpr (BN == 256)
+    fp8_halves(std::integral_constant<int, BN / 2>{});
+  else
+    fp8_tile(std::integral_constant<int, BN / 4>{});  // the two 64-row halves
 }
 
 }  // namespace moekit::cuda::hopper

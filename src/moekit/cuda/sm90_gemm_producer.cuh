@@ -92,8 +92,7 @@ __device__ __forceinline__ void load_stages(const CUtensorMap& a_map, const CUte
         const int c1 = p.interleaved ? part : n, c2 = p.interleaved ? n : part;
         uint8_t* dst = sb + h * kHalfBytes;
         if (multicast)
-          cute::SM90_TMA_LOAD_MULTICAST_4D::copy(&b_map, &full[stage], uint16_t{0x3}, kHint, dst, k, c1, c2,
-                                                 t.expert);
+          cute::SM90_TMA_LOAD_MULTICAST_4D::copy(&b_map, &full[stage], uint16_t{0x3}, kHint, dst, k, c1, c2, t.expert);
         else
           cute::SM90_TMA_LOAD_4D::copy(&b_map, &full[stage], kHint, dst, k, c1, c2, t.expert);
       };
@@ -108,8 +107,9 @@ __device__ __forceinline__ void load_stages(const CUtensorMap& a_map, const CUte
   }
 }
 
-// The copying warps (warps 1-3 of the producer warpgroup, threads 32-127) of a staged epilogue: for each tile, wait until math
-// warpgroup m has staged its rows (named barrier 3 + m), store them (copy_staged), and free its buffer (5 + m).
+// The copying warps (warps 1-3 of the producer warpgroup, threads 32-127) of a staged epilogue: for each tile, wait
+// until math warpgroup m has staged its rows (named barrier 3 + m), store them (copy_staged), and free its buffer (5 +
+// m).
 template <class C>
 __device__ __forceinline__ void store_staged_rows(const GemmParams& p, const TileScheduler<C::kCluster, C::kEpi>& sched,
                                                   const uint8_t* staged) {
@@ -123,10 +123,10 @@ __device__ __forceinline__ void store_staged_rows(const GemmParams& p, const Til
   for (int64_t unit = sched.first_unit, units = sched.unit_count(); unit < units; unit = sched.advance(unit)) {
     const Tile t = sched.tile_of(unit, hint);
     if (!t.valid) continue;
-    // gated_quantized stages its group's 128 codes a row (as 64 2-byte units).
+    // gated_e4m3 stages its group's 128 codes a row (as 64 2-byte units).
     const int64_t col_base = int64_t{t.n_block} * kCols;
     auto* const out_rows = static_cast<Staged*>(p.out);
-    const int64_t outputs = kEpi == Epilogue::gated_quantized ? p.outputs / 2 : p.outputs;
+    const int64_t outputs = kEpi == Epilogue::gated_e4m3 ? p.outputs / 2 : p.outputs;
 #pragma unroll
     for (int m = 0; m < kMathGroups; ++m) {
       if (sched.idle_of(t, m)) continue;

@@ -40,11 +40,11 @@ struct TileScheduler {
   // ptxas kept it in local memory.
   __device__ __forceinline__ int64_t unit_count() const { return (m_tiles + kCluster - 1) / kCluster * p.n_blocks; }
 
-  // The next unit a block takes. gated_quantized reads the step where it is used (gridDim is a constant): held
+  // The next unit a block takes. gated_e4m3 reads the step where it is used (gridDim is a constant): held
   // across setmaxnreg, it spilled there once that epilogue staged its codes (and read so by every epilogue, the
   // bf16 ones spilled other values instead).
   __device__ __forceinline__ int64_t advance(int64_t unit) const {
-    return unit + (kEpi == Epilogue::gated_quantized ? int64_t{gridDim.x / kCluster} : unit_step);
+    return unit + (kEpi == Epilogue::gated_e4m3 ? int64_t{gridDim.x / kCluster} : unit_step);
   }
 
   // The tile of `unit`. A block walks its units in order, so the row tiles only grow: `hint`, the expert of the
