@@ -30,7 +30,7 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // one of the epilogue's unrolled steps makes the kernel spill its accumulators.
 // The activation's settings travel by value: a reference into the kernel's parameters would make the
 // compiler copy them all to the stack.
-__device__ __noinline__ float2 activated_pair(Act act, bool has_gate, float limit, float alpha, float g0, float u0,
+inline __device__ __noinline__ float2 activated_pair(Act act, bool has_gate, float limit, float alpha, float g0, float u0,
                                               float g1, float u1) {
   ExpertsArgs a;
   a.act = act;
