@@ -25,9 +25,9 @@ known=(
   # 128-register limit (4 and 20 bytes spilled).
   'batched_mm_quantized_tensor_core_cu_[0-9a-f]+[0-9]+(up|down)_kernelI.*WeightFormatE2E'
   # The model runtime's 2-token gemv: ptxas keeps 64 registers and reloads one value per loop iteration.
-  'model_kernels_cu_[0-9a-f]+[0-9]+gemv_kernelI.*Li2ELb1E'
+  'model_linear_cu_[0-9a-f]+[0-9]+gemv_kernelI.*Li2ELb1E'
   # Rotary embedding: the slow path of sinf / cosf for large angles (Payne-Hanek reduction).
-  'model_kernels_cu_[0-9a-f]+[0-9]+rotary_kernelI'
+  'model_attention_cu_[0-9a-f]+[0-9]+rotary_kernelI'
 )
 
 counts=$("$root/scripts/sass_counts.sh" "$binary" .)
