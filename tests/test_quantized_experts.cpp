@@ -17,6 +17,7 @@
 #include "moekit/cuda/fp4_f16_codes.h"
 #include "moekit/cuda/scale_division.h"
 #include "moekit/experts.h"
+#include "moekit/kernel_options.h"
 #include "moekit/quantization.h"
 #include "moekit/testing/random_problem.h"
 #include "moekit/testing/reference.h"
@@ -107,7 +108,7 @@ TEST(QuantizedValidation, WeightsAndScalesAreNamedWithTheExpectedShapeAndDType) 
 }
 
 // grouped_mm with FP8 weights and float scales runs its block-scaled products on moekit's AVX512-BF16 kernel
-// where the CPU has it, else as one oneDNN product per 128-wide block; MOEKIT_CPU_FP8_GEMM=onednn forces the
+// where the CPU has it, else as one oneDNN product per 128-wide block; KernelOptions::cpu_fp8_own_kernel off forces the
 // second, so both are checked against the float64 reference on every CPU. 40 tokens over 3 experts: blocks of
 // more rows than the matrix-vector path takes, partial 128-wide blocks in H and I.
 TEST(GroupedMmFp8FloatScales, BothProductPathsMatchTheReference) {
@@ -115,9 +116,14 @@ TEST(GroupedMmFp8FloatScales, BothProductPathsMatchTheReference) {
   o.tokens = 40;
   const ExpertsProblem p = make_random_problem(o);
   const std::vector<double> reference = experts_reference(p);
-  struct OneDnnProducts {  // sets MOEKIT_CPU_FP8_GEMM=onednn while it lives
-    OneDnnProducts() { setenv("MOEKIT_CPU_FP8_GEMM", "onednn", 1); }
-    ~OneDnnProducts() { unsetenv("MOEKIT_CPU_FP8_GEMM"); }
+  struct OneDnnProducts {  // KernelOptions::cpu_fp8_own_kernel off while it lives
+    KernelOptions saved = kernel_options();
+    OneDnnProducts() {
+      KernelOptions o = saved;
+      o.cpu_fp8_own_kernel = false;
+      set_kernel_options(o);
+    }
+    ~OneDnnProducts() { set_kernel_options(saved); }
   };
   for (const bool onednn : {false, true}) {
     std::optional<OneDnnProducts> forced;

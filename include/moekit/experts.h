@@ -130,6 +130,10 @@ class ExpertsBackend {
   virtual std::size_t workspace_bytes(const ExpertsProblem& problem) const = 0;
   // Writes out [T, H] (dtype of hidden_states, contiguous). workspace holds workspace_bytes().
   virtual void forward(const ExpertsProblem& problem, Tensor& out, void* workspace, Stream stream) = 0;
+  // The kernels forward() runs for this (supported) problem, in a few words: which of the backend's paths, on
+  // which kind of kernel (e.g. "Hopper TMA + wgmma grouped GEMM, bf16, clusters of 2 (up) / 1 (down)", "CUDA
+  // batched_mm: weight-streaming gemv"), as the kernel_options() in force choose. Default: the backend's name.
+  virtual std::string kernel_path(const ExpertsProblem& problem) const;
 
   // The backward: supports_backward(problem) -> backward_workspace_bytes(problem) -> backward(...).
   // Nothing is saved by the forward: a backward reads the problem's inputs again (and recomputes what
@@ -138,8 +142,8 @@ class ExpertsBackend {
   virtual std::size_t backward_workspace_bytes(const ExpertsProblem& problem) const;
   // grad_out [T, H] (dtype of hidden_states, contiguous); writes every tensor of grads (all allocated,
   // contiguous, in their inputs' dtypes and shapes; the bias gradients only with has_bias).
-  virtual void backward(const ExpertsProblem& problem, const Tensor& grad_out, ExpertsGradients& grads,
-                        void* workspace, Stream stream);
+  virtual void backward(const ExpertsProblem& problem, const Tensor& grad_out, ExpertsGradients& grads, void* workspace,
+                        Stream stream);
 };
 
 // The registry of backends by name. The built-in backends are registered on first use; users add
@@ -168,6 +172,10 @@ class ExpertsInterface {
 // allocated for the call.
 Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend = "grouped_mm", Tensor out = Tensor(),
                        Stream stream = Stream(), Tensor workspace = Tensor());
+
+// What experts_forward(problem, backend) runs now: the backend's kernel_path for the problem, after the same checks
+// (the problem's validation, supports_device and supports, which throw with the reason).
+std::string experts_kernel_path(const ExpertsProblem& problem, std::string_view backend = "grouped_mm");
 
 // The backward of the named backend (DESIGN §2b), with the life of experts_forward: validates the problem
 // and grad_out, asks supports_backward (throws with the reason), sizes the workspace and writes grads. A

@@ -87,6 +87,7 @@ nlohmann::ordered_json row_to_json(const BenchRow& row) {
   j["shape"] = row.shape;
   j["tokens"] = row.tokens;
   j["backend"] = row.backend;
+  if (!row.kernel.empty()) j["kernel"] = row.kernel;
   j["status"] = status_name(row.status);
   if (row.status != RowStatus::ok) j["reason"] = row.reason;
   if (row.status == RowStatus::ok) {
@@ -306,8 +307,9 @@ TablePrinter::TablePrinter(std::FILE* out, FlopUnit unit, std::size_t shape_widt
       backend_width_(static_cast<int>(std::max<std::size_t>(backend_width, 7))) {}
 
 void TablePrinter::print_header() const {
-  std::fprintf(out_, "%-*s %6s  %-*s %10s %9s %8s %8s %8s %5s %8s\n", shape_width_, "shape", "tokens", backend_width_,
-               "backend", "ms", unit_.name.c_str(), "GB/s", "% floor", "vs best", "runs", "call GB");
+  std::fprintf(out_, "%-*s %6s  %-*s %10s %9s %8s %8s %8s %5s %8s  %s\n", shape_width_, "shape", "tokens",
+               backend_width_, "backend", "ms", unit_.name.c_str(), "GB/s", "% floor", "vs best", "runs", "call GB",
+               "kernel");
   std::fflush(out_);
 }
 
@@ -316,10 +318,10 @@ void TablePrinter::print_rows(const std::vector<BenchRow>& rows) const {
     std::fprintf(out_, "%-*s %6lld  %-*s ", shape_width_, r.shape.c_str(), static_cast<long long>(r.tokens),
                  backend_width_, r.backend.c_str());
     if (r.status == RowStatus::ok) {
-      std::fprintf(out_, "%10s %9s %8s %8s %8s %5d %8s\n", format_number(r.median_ms).c_str(),
+      std::fprintf(out_, "%10s %9s %8s %8s %8s %5d %8s  %s\n", format_number(r.median_ms).c_str(),
                    format_number(flop_rate(r, unit_)).c_str(), format_number(floor_gbs(r)).c_str(),
                    format_number(floor_percent(r)).c_str(), format_ratio(r.speedup_vs_best).c_str(), r.runs,
-                   format_number(r.call_memory_bytes / 1e9).c_str());
+                   format_number(r.call_memory_bytes / 1e9).c_str(), r.kernel.c_str());
     } else {
       std::fprintf(out_, "%s: %s\n", status_name(r.status), r.reason.c_str());
     }
@@ -332,6 +334,7 @@ void write_json(const BenchReport& report, const std::string& path) {
   root["tool"] = "moekit bench";
   root["options"] = report.options;
   root["machine"] = report.machine;
+  root["kernel_options"] = report.kernel_options;
   root["flop_unit"] = report.unit.name;
   root["shapes"] = nlohmann::ordered_json::array();
   for (const BenchShape& s : report.shapes) {

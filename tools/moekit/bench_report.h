@@ -28,6 +28,7 @@ struct BenchRow {
   std::string shape;
   int64_t tokens = 0;
   std::string backend;
+  std::string kernel;  // the backend's kernel_path for the case (what ran); empty when it was skipped
   RowStatus status = RowStatus::ok;
   std::string reason;  // why it was skipped or failed
 
@@ -81,6 +82,7 @@ class TablePrinter {
 struct BenchReport {
   nlohmann::ordered_json options;  // every flag, as resolved for the run
   nlohmann::ordered_json machine;  // cpu model, threads, bandwidth, memory
+  std::string kernel_options;      // describe(kernel_options()) for the run
   std::string title;               // the plot's heading
   FlopUnit unit;
   std::vector<BenchShape> shapes;                      // in run order, including refused ones

@@ -29,6 +29,7 @@
 #include "moekit/device.h"
 #include "moekit/experts.h"
 #include "moekit/flag_table.h"
+#include "moekit/kernel_options.h"
 #include "moekit/testing/random_problem.h"
 
 namespace moekit::cli {
@@ -439,6 +440,8 @@ Sweep::Sweep(BenchCommand& state)
   std::printf("machine: %s, %u threads; memory bandwidth %.1f GB/s (%s); memory budget %s (%s)\n", cpu_model.c_str(),
               hardware_threads(), o_.memory_bandwidth_gbs, bandwidth_source.c_str(), gb(budget_bytes_).c_str(),
               budget_source.c_str());
+  report_.kernel_options = describe(kernel_options());
+  std::printf("kernel options: %s\n", report_.kernel_options.c_str());
   if (load_at_start >= 0.5) {
     std::printf(
         "note: load average %.1f on %u threads: other processes are using the cores, so times are inflated "
@@ -472,8 +475,8 @@ void Sweep::run() {
   const auto failed = std::count_if(report_.rows.begin(), report_.rows.end(),
                                     [](const BenchRow& r) { return r.status == RowStatus::failed; });
   const std::size_t refused = report_.refused_shapes.size();
-  MOEKIT_CHECK(failed == 0 && refused == 0, "bench: ", failed, " case(s) failed and ", refused, " of ",
-               shapes_.size(), " shape(s) did not run (see the messages and rows above)");
+  MOEKIT_CHECK(failed == 0 && refused == 0, "bench: ", failed, " case(s) failed and ", refused, " of ", shapes_.size(),
+               " shape(s) did not run (see the messages and rows above)");
 }
 
 void Sweep::refuse(const BenchShape& shape, const std::string& why) {
@@ -581,7 +584,8 @@ BenchRow Sweep::case_row(const BenchShape& shape, const ExpertsProblem& problem,
   // Forward + backward: each touched expert's weights read by both and its gradients written once; x read by
   // both, out written, grad_out read and grad_x written.
   if (o_.backward)
-    row.floor_bytes = 3.0 * static_cast<double>(touched) * expert_bytes + static_cast<double>(sizes.tokens) * row_bytes * 5.0;
+    row.floor_bytes =
+        3.0 * static_cast<double>(touched) * expert_bytes + static_cast<double>(sizes.tokens) * row_bytes * 5.0;
   row.floor_ms = row.floor_bytes / (o_.memory_bandwidth_gbs * 1e9) * 1e3;
   return row;
 }
@@ -596,13 +600,14 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
     row.reason = support.reason;
     return;
   }
+  row.kernel = backend.kernel_path(problem);
   row.workspace_bytes = backend.workspace_bytes(problem);
   const std::size_t backward_workspace = o_.backward ? backend.backward_workspace_bytes(problem) : 0;
   auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<double>(t.nbytes()) : 0.0; };
   const double out_bytes = static_cast<double>(row.tokens * problem.hidden_states.size(1)) * dtype_size(dtype_);
-  const double gradient_bytes = o_.backward ? out_bytes * 2 + bytes(problem.top_k_weights) + bytes(problem.gate_up_proj) +
-                                                  bytes(problem.down_proj) + bytes(problem.gate_up_proj_bias) +
-                                                  bytes(problem.down_proj_bias)
+  const double gradient_bytes = o_.backward ? out_bytes * 2 + bytes(problem.top_k_weights) +
+                                                  bytes(problem.gate_up_proj) + bytes(problem.down_proj) +
+                                                  bytes(problem.gate_up_proj_bias) + bytes(problem.down_proj_bias)
                                             : 0.0;  // grad_out and the gradients
   row.call_memory_bytes =
       out_bytes + static_cast<double>(row.workspace_bytes) + static_cast<double>(backward_workspace) + gradient_bytes;

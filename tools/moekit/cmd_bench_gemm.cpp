@@ -22,6 +22,7 @@
 #include "moekit/device.h"
 #include "moekit/flag_table.h"
 #include "moekit/hopper_gemm.h"
+#include "moekit/kernel_options.h"
 #include "moekit/testing/random_problem.h"
 
 namespace moekit::cli {
@@ -286,6 +287,7 @@ void run(GemmBenchCommand& state) {
   for (const int64_t m : o.rows_per_expert) max_groups = std::max(max_groups, groups_for(m));
 
   std::printf("moekit bench-gemm %s\n", state.flags->command_line().c_str());
+  std::printf("kernel options: %s\n", describe(kernel_options()).c_str());
   std::printf("device: %s; the Hopper grouped GEMM alone, %s layout, median of %d calls after %d warm-up%s\n",
               device_name(device).c_str(), o.masked ? "masked" : "contiguous", o.repeats, o.warmup,
               o.no_flush_l2 ? "" : ", L2 flushed before each call (as DeepGEMM's bench_kineto)");
@@ -345,6 +347,7 @@ void run(GemmBenchCommand& state) {
   root["command"] = "moekit bench-gemm " + state.flags->command_line();
   root["options"] = state.flags->values();
   root["device"] = device_name(device);
+  root["kernel_options"] = describe(kernel_options());
   root["rows"] = rows;
   write_text_file(o.json_path, root.dump(2) + "\n");
   std::printf("\nwrote %s\n", o.json_path.c_str());

@@ -88,6 +88,10 @@ class BatchedMm final : public PortableBackend {
 
  protected:
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override { return Workspace(p, nullptr).bytes; }
+  std::string cpu_kernel_path(const ExpertsProblem& p) const override {
+    return p.config.quantization.quantized() ? "per-pair gemv over the stored weight codes"
+                                             : "per-pair gemv over the weights in place";
+  }
 
   void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);

@@ -39,6 +39,10 @@ class Eager final : public PortableBackend {
 
  protected:
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override { return eager_buffers(p).total(); }
+  std::string cpu_kernel_path(const ExpertsProblem& p) const override {
+    return converts_weights(p) ? "oneDNN products per hit expert, its weights converted first"
+                               : "oneDNN products per hit expert over the weights in place";
+  }
 
   void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) override {
     const cpu::ExpertLayout layout(p);

@@ -25,6 +25,7 @@
 #include "moekit/backends/portable_backend.h"
 #include "moekit/cpu/block_scaled_gemm.h"
 #include "moekit/cpu/gemv.h"
+#include "moekit/kernel_options.h"
 #include "moekit/quantization.h"
 
 namespace moekit::backends {
@@ -188,11 +189,10 @@ void multiply_block_scaled(const PackedProjection& packed, int64_t e, int64_t fi
 
 // The block-scaled products run on moekit's AVX512-BF16 kernel (block_scaled_gemm: the weights stay e4m3,
 // half the bytes of a bf16 copy, converted per block in L1) where the CPU has AVX512-BF16 and VBMI, else as
-// one oneDNN bf16 product per 128-wide block (multiply_block_scaled). MOEKIT_CPU_FP8_GEMM=onednn picks the
-// latter anyway (the tests run it on CPUs that have the kernel).
+// one oneDNN bf16 product per 128-wide block (multiply_block_scaled). KernelOptions::cpu_fp8_own_kernel false
+// (MOEKIT_CPU_FP8_GEMM=onednn) picks the latter anyway (the tests run it on CPUs that have the kernel).
 bool own_block_scaled_kernel() {
-  const char* v = std::getenv("MOEKIT_CPU_FP8_GEMM");
-  return cpu::cpu_has_avx512_bf16() && !(v && std::string_view(v) == "onednn");
+  return cpu::cpu_has_avx512_bf16() && kernel_options().cpu_fp8_own_kernel;
 }
 
 // One projection of every expert packed for block_scaled_gemm, per column chunk: chunks[e * per_expert + c].
@@ -213,6 +213,16 @@ class GroupedMm final : public PortableBackend {
   }
 
  protected:
+  std::string cpu_kernel_path(const ExpertsProblem& p) const override {
+    const std::string small = "; experts with at most 2 rows: matrix-vector products over the weights in place";
+    if (cpu::uses_block_scaled_codes(p))
+      return (own_block_scaled_kernel() ? "moekit's AVX512-BF16 block-scaled GEMM over e4m3 codes"
+                                        : "oneDNN bf16 products per 128-wide block of e4m3 codes") +
+             small;
+    return std::string(p.config.quantization.quantized() ? "oneDNN grouped products over packed, dequantised weights"
+                                                         : "oneDNN grouped products over packed weights") +
+           small;
+  }
   std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const override {
     // Activations and hidden rows carry kRowRound pad rows for the rounded-up products.
     return cpu::RowBuffers(p, kRowRound, cpu::uses_block_scaled_codes(p)).total();

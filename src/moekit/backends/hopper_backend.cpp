@@ -59,6 +59,15 @@ std::size_t HopperBackend::workspace_bytes(const ExpertsProblem& p) const {
 #endif
 }
 
+std::string HopperBackend::kernel_path(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  return "CUDA " + cuda_.kernel_path(cuda_args(p));
+#else
+  (void)p;  // unreachable: supports_device refuses every device in a build without CUDA
+  return std::string(name());
+#endif
+}
+
 void HopperBackend::forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) {
 #if MOEKIT_HAS_CUDA
   cuda_.forward(cuda_args(p, &out), workspace, cuda_stream(stream));

@@ -20,6 +20,7 @@ class HopperBackend : public ExpertsBackend {
   Support supports(const ExpertsProblem& p) const override;
   std::size_t workspace_bytes(const ExpertsProblem& p) const override;
   void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override;
+  std::string kernel_path(const ExpertsProblem& p) const override;
   // The Hopper backward (cuda/sm90_backward.cu), on the problems the forward takes, unquantised.
   Support supports_backward(const ExpertsProblem& p) const override;
   std::size_t backward_workspace_bytes(const ExpertsProblem& p) const override;

@@ -111,10 +111,18 @@ void PortableBackend::forward(const ExpertsProblem& p, Tensor& out, void* worksp
   cpu_forward(p, out, workspace);
 }
 
+std::string PortableBackend::kernel_path(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  if (p.hidden_states.device().is_cuda()) return "CUDA " + cuda_.kernel_path(cuda_args(p));
+#endif
+  return "CPU " + cpu_kernel_path(p);
+}
+
 Support PortableBackend::supports_backward(const ExpertsProblem& p) const {
   if (p.config.quantization.quantized())
-    return Support::no("quantised experts (" + p.config.quantization.describe() +
-                       ") have no backward: FP8 / FP4 training is out of scope; dequantise the weights to bf16 to train");
+    return Support::no(
+        "quantised experts (" + p.config.quantization.describe() +
+        ") have no backward: FP8 / FP4 training is out of scope; dequantise the weights to bf16 to train");
   const Device device = p.hidden_states.device();
   if (Support s = supports_device(device); !s) return s;
 #if MOEKIT_HAS_CUDA

@@ -27,6 +27,7 @@ inline cudaStream_t cuda_stream(Stream s) {
 struct CudaKernels {
   std::size_t (*workspace_bytes)(const cuda::ExpertsArgs&);
   void (*forward)(const cuda::ExpertsArgs&, void*, cudaStream_t);
+  std::string (*kernel_path)(const cuda::ExpertsArgs&);
   // Null where the backend has no CUDA backward (supports_backward then says so).
   std::size_t (*backward_workspace_bytes)(const cuda::ExpertsBackwardArgs&) = nullptr;
   void (*backward)(const cuda::ExpertsBackwardArgs&, void*, cudaStream_t) = nullptr;
@@ -49,6 +50,8 @@ class PortableBackend : public ExpertsBackend {
   Support supports(const ExpertsProblem& p) const override;
   std::size_t workspace_bytes(const ExpertsProblem& p) const override;
   void forward(const ExpertsProblem& p, Tensor& out, void* workspace, Stream stream) override;
+  // The CUDA kernels' path (CudaKernels::kernel_path) on a GPU, cpu_kernel_path on the CPU.
+  std::string kernel_path(const ExpertsProblem& p) const override;
   // Unquantised problems (FP8 / FP4 training is out of scope), on the CPU and where the CUDA backward exists.
   Support supports_backward(const ExpertsProblem& p) const override;
   std::size_t backward_workspace_bytes(const ExpertsProblem& p) const override;
@@ -63,6 +66,7 @@ class PortableBackend : public ExpertsBackend {
 #endif
   virtual std::size_t cpu_workspace_bytes(const ExpertsProblem& p) const = 0;
   virtual void cpu_forward(const ExpertsProblem& p, Tensor& out, void* workspace) = 0;
+  virtual std::string cpu_kernel_path(const ExpertsProblem& p) const = 0;
   // The CPU backward: by default the sorted-row pipeline of cpu_backward.h, which all three share.
   virtual std::size_t cpu_backward_workspace_bytes(const ExpertsProblem& p) const;
   virtual void cpu_backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGradients& grads, void* workspace);
@@ -76,16 +80,16 @@ class PortableBackend : public ExpertsBackend {
 // The CUDA entry points of a backend, or nothing in a CPU-only build; MOEKIT_CUDA_HOPPER_KERNELS for the Hopper
 // backends, whose forwards differ and whose backward is one.
 #if MOEKIT_HAS_CUDA
-#define MOEKIT_CUDA_KERNELS(name)                                                                 \
-  {                                                                                               \
-    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::name##_backward_workspace_bytes, \
-        &cuda::name##_backward                                                                    \
+#define MOEKIT_CUDA_KERNELS(name)                                                    \
+  {                                                                                  \
+    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::name##_kernel_path, \
+        &cuda::name##_backward_workspace_bytes, &cuda::name##_backward               \
   }
 // A Hopper backend: its forward, and the Hopper backward both share.
-#define MOEKIT_CUDA_HOPPER_KERNELS(name)                                                          \
-  {                                                                                               \
-    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::hopper_backward_workspace_bytes, \
-        &cuda::hopper_backward                                                                    \
+#define MOEKIT_CUDA_HOPPER_KERNELS(name)                                             \
+  {                                                                                  \
+    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::name##_kernel_path, \
+        &cuda::hopper_backward_workspace_bytes, &cuda::hopper_backward               \
   }
 #else
 #define MOEKIT_CUDA_HOPPER_KERNELS(name) \

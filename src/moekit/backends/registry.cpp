@@ -58,6 +58,10 @@ std::vector<std::string> ExpertsInterface::names() const {
   return out;
 }
 
+std::string ExpertsBackend::kernel_path(const ExpertsProblem&) const {
+  return std::string(name());
+}
+
 Support ExpertsBackend::supports_backward(const ExpertsProblem&) const {
   return Support::no("experts backend '" + std::string(name()) + "' has no backward pass");
 }
@@ -106,8 +110,8 @@ ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& g
   MOEKIT_CHECK(device_support.ok, "experts backend '", backend_name, "' cannot run on ", device_name(device), ": ",
                device_support.reason);
   const Support support = backend.supports_backward(problem);
-  MOEKIT_CHECK(support.ok, "experts backend '", backend_name, "' cannot run the backward of this problem: ",
-               support.reason);
+  MOEKIT_CHECK(support.ok, "experts backend '", backend_name,
+               "' cannot run the backward of this problem: ", support.reason);
   const Shape th{shape.tokens, shape.hidden};
   MOEKIT_CHECK(grad_out.defined() && grad_out.shape() == th && grad_out.dtype() == problem.hidden_states.dtype() &&
                    grad_out.device() == device && grad_out.is_contiguous(),
@@ -133,16 +137,35 @@ ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& g
   return grads;
 }
 
-Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend_name, Tensor out, Stream stream,
-                       Tensor workspace) {
+namespace {
+
+// The named backend after experts_forward's checks of the problem: its validation, then whether the backend runs on
+// its device and runs it (each failure thrown with the reason).
+ExpertsBackend& checked_forward_backend(const ExpertsProblem& problem, std::string_view backend_name,
+                                        ExpertsShape& shape) {
   ExpertsBackend& backend = ExpertsInterface::global().get(backend_name);
-  const ExpertsShape shape = validate(problem);
+  shape = validate(problem);
   const Device device = problem.hidden_states.device();
   const Support device_support = backend.supports_device(device);
   MOEKIT_CHECK(device_support.ok, "experts backend '", backend_name, "' cannot run on ", device_name(device), ": ",
                device_support.reason);
   const Support support = backend.supports(problem);
   MOEKIT_CHECK(support.ok, "experts backend '", backend_name, "' cannot run this problem: ", support.reason);
+  return backend;
+}
+
+}  // namespace
+
+std::string experts_kernel_path(const ExpertsProblem& problem, std::string_view backend_name) {
+  ExpertsShape shape;
+  return checked_forward_backend(problem, backend_name, shape).kernel_path(problem);
+}
+
+Tensor experts_forward(const ExpertsProblem& problem, std::string_view backend_name, Tensor out, Stream stream,
+                       Tensor workspace) {
+  ExpertsShape shape;
+  ExpertsBackend& backend = checked_forward_backend(problem, backend_name, shape);
+  const Device device = problem.hidden_states.device();
   if (out.defined()) {
     MOEKIT_CHECK(out.shape() == Shape({shape.tokens, shape.hidden}) && out.dtype() == problem.hidden_states.dtype() &&
                      out.device() == device && out.is_contiguous(),

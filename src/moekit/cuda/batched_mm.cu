@@ -770,6 +770,15 @@ std::size_t batched_mm_workspace_bytes(const ExpertsArgs& a) {
   return static_cast<std::size_t>(a.tokens * a.top_k * a.intermediate + quantised_x) * sizeof(float);
 }
 
+std::string batched_mm_kernel_path(const ExpertsArgs& a) {
+  const char* codes = a.fp8() ? "e4m3" : "e2m1";
+  if (batched_mm_quantized_tensor_core_runs(a))
+    return std::string("batched_mm on the tensor cores (mma.sync) over ") + codes + " weight codes";
+  if (a.quantized())
+    return std::string("batched_mm weight-streaming gemv over ") + codes + " weight codes (CUDA cores)";
+  return "batched_mm weight-streaming gemv (" + std::string(dtype_name(a.dtype)) + ", CUDA cores)";
+}
+
 void batched_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   if (batched_mm_quantized_tensor_core_runs(a)) return batched_mm_quantized_tensor_core_forward(a, workspace, stream);
   visit_float_dtype(a.dtype, [&](auto tag) {

@@ -36,6 +36,7 @@
 #include "moekit/cuda/fp4_f16_codes.h"
 #include "moekit/cuda/quantized_weights.cuh"
 #include "moekit/cuda/tensor_map.h"
+#include "moekit/kernel_options.h"
 
 namespace moekit::cuda {
 namespace {
@@ -508,7 +509,7 @@ int64_t scale_entries(const ExpertsArgs& a) {
 }  // namespace
 
 bool batched_mm_quantized_tensor_core_runs(const ExpertsArgs& a) {
-  static const bool allowed = !env_equals("MOEKIT_BATCHED_MM_TENSOR_CORES", "0");
+  const bool allowed = kernel_options().batched_mm_tensor_cores;
   // Whole 16-byte pieces of every weight row: 16 e4m3 codes, 32 e2m1 codes.
   const int64_t piece = a.fp8() ? 16 : 32;
   return allowed && a.quantized() && !a.transposed && a.hidden % piece == 0 && a.intermediate % piece == 0 &&

@@ -11,6 +11,10 @@ std::size_t eager_workspace_bytes(const ExpertsArgs& a) {
   return grouped_buffers_bytes(a);
 }
 
+std::string eager_kernel_path(const ExpertsArgs& a) {
+  return "one launch per hit expert after a host synchronisation, " + grouped_gemm_kernel_path(a);
+}
+
 void eager_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {
   GroupedProblem g = grouped_buffers(a, workspace);
   route_on_device(a, kTileRows, static_cast<char*>(workspace) + kRoutingOffset, g.r, stream);

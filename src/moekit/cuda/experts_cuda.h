@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "moekit/dtype.h"
 #include "moekit/quantization.h"
@@ -121,5 +122,15 @@ inline const char* hopper_alignment_refusal(const ExpertsArgs& a) {
 // instead of the grouped GEMM, whose 128-row tiles are then mostly padding. The limits are the measured
 // crossovers on the H200 (docs/benchmarks.md). MOEKIT_HOPPER_DECODE_STREAMING=0 keeps the grouped GEMM.
 bool hopper_decode_streams(const ExpertsArgs& a);
+
+// The kernels each forward runs for a problem, in words (ExpertsBackend::kernel_path), as the forward chooses them
+// under the kernel_options() in force. Host code.
+std::string eager_kernel_path(const ExpertsArgs& a);
+std::string batched_mm_kernel_path(const ExpertsArgs& a);
+std::string grouped_mm_kernel_path(const ExpertsArgs& a);
+std::string deepgemm_kernel_path(const ExpertsArgs& a);
+std::string sonicmoe_kernel_path(const ExpertsArgs& a);
+// The portable grouped GEMM's kernels for both projections (grouped_mm off Hopper, eager per expert).
+std::string grouped_gemm_kernel_path(const ExpertsArgs& a);
 
 }  // namespace moekit::cuda

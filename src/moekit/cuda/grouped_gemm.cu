@@ -586,6 +586,24 @@ void quantize_grouped_hidden(const GroupedProblem& g, int64_t first_row, int64_t
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
+std::string grouped_gemm_kernel_path(const ExpertsArgs& a) {
+  // The kernel each projection's launch picks (launch, launch_quantized): the down projection's left operand is
+  // the workspace's hidden rows, always aligned.
+  auto kernel = [&](Projection P) -> std::string {
+    const int64_t K = P == Projection::up ? a.hidden : a.intermediate;
+    const void* weights = P == Projection::up ? a.up : a.down;
+    const bool mma = a.quantized() ? K % (a.fp8() ? 16 : 32) == 0 && aligned16(weights)
+                                   : a.dtype != DType::f32 && !a.transposed && K % 8 == 0 && aligned16(weights) &&
+                                         (P != Projection::up || aligned16(a.x));
+    return mma ? "mma.sync tensor cores" : "CUDA cores";
+  };
+  const std::string up = kernel(Projection::up), down = kernel(Projection::down);
+  const std::string operands = a.fp8()   ? "e4m3 weight codes, " + std::string(dtype_name(a.dtype)) + " activations"
+                               : a.fp4() ? "e2m1 weight codes, " + std::string(dtype_name(a.dtype)) + " activations"
+                                         : std::string(dtype_name(a.dtype));
+  return "portable grouped GEMM (" + operands + ") on " + (up == down ? up : up + " (up), " + down + " (down)");
+}
+
 void launch_grouped_projection(const GroupedProblem& g, Projection p, int64_t max_tiles, cudaStream_t stream) {
   visit_float_dtype(g.a.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;

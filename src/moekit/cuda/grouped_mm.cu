@@ -3,26 +3,30 @@
 // host and can be captured in a CUDA graph. On Hopper (compute capability 9.0) the problems deepgemm's
 // TMA + wgmma kernels take run through them (same routing and combine, rows padded per expert), FP8
 // weights included (H and I multiples of 128); FP4, and FP8 of other sizes, run on the portable kernels;
-// MOEKIT_HOPPER_GEMM=0 in the environment keeps the portable kernels (read once; for comparing them).
+// KernelOptions::grouped_mm_hopper_kernels false (MOEKIT_HOPPER_GEMM=0) keeps the portable kernels there.
 #include <algorithm>
 
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/grouped_gemm.cuh"
 #include "moekit/cuda/tensor_map.h"
+#include "moekit/kernel_options.h"
 
 namespace moekit::cuda {
 
 namespace {
 
 bool uses_hopper_gemm(const ExpertsArgs& a) {
-  static const bool allowed = !env_equals("MOEKIT_HOPPER_GEMM", "0");
-  return allowed && hopper_gemm_runs(a);
+  return kernel_options().grouped_mm_hopper_kernels && hopper_gemm_runs(a);
 }
 
 }  // namespace
 
 std::size_t grouped_mm_workspace_bytes(const ExpertsArgs& a) {
   return uses_hopper_gemm(a) ? deepgemm_workspace_bytes(a) : grouped_buffers_bytes(a);
+}
+
+std::string grouped_mm_kernel_path(const ExpertsArgs& a) {
+  return uses_hopper_gemm(a) ? "deepgemm's kernels: " + deepgemm_kernel_path(a) : grouped_gemm_kernel_path(a);
 }
 
 void grouped_mm_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream) {

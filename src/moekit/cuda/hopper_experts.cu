@@ -19,6 +19,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <string>
 
 #include "moekit/cuda/batched_mm_quantized_tensor_core.h"
 #include "moekit/cuda/cuda_check.h"
@@ -28,19 +29,18 @@
 #include "moekit/cuda/sm90_gemm_layout.cuh"
 #include "moekit/cuda/sm90_projection.h"
 #include "moekit/cuda/tensor_map.h"
+#include "moekit/kernel_options.h"
 
 namespace moekit::cuda {
 
 namespace hopper {
 
 bool clusters_enabled() {
-  static const bool on = !env_equals("MOEKIT_DEEPGEMM_CLUSTER", "1");
-  return on;
+  return kernel_options().hopper_clusters;
 }
 
 bool idle_padding_enabled() {
-  static const bool on = !env_equals("MOEKIT_HOPPER_IDLE_PADDING", "0");
-  return on;
+  return kernel_options().hopper_idle_padding;
 }
 
 }  // namespace hopper
@@ -387,11 +387,41 @@ bool hopper_gemm_runs(const ExpertsArgs& a) {
 }
 
 bool hopper_decode_streams(const ExpertsArgs& a) {
-  static const bool allowed = !env_equals("MOEKIT_HOPPER_DECODE_STREAMING", "0");
+  const bool allowed = kernel_options().hopper_decode_streaming;
   const int64_t pairs = a.tokens * a.top_k;
   const int64_t limit = a.fp8() ? 256 : 128, per_expert = a.fp8() ? 2 : 1;
   if (!allowed || pairs == 0 || pairs > limit || pairs > per_expert * a.experts) return false;
   return !a.fp8() || batched_mm_quantized_tensor_core_runs(a);
+}
+
+namespace {
+
+// The grouped GEMMs of a Hopper forward: the operands, and each projection's cluster size.
+std::string hopper_gemm_text(const ExpertsArgs& a, Variant v) {
+  const int64_t stage_k = a.fp8() ? hopper::kStageK<true> : hopper::kStageK<false>;
+  auto rounded = [&](int64_t k) { return (k + stage_k - 1) / stage_k * stage_k; };
+  const int up = hopper::cluster_blocks(rounded(a.hidden), false),
+            down = hopper::cluster_blocks(rounded(a.intermediate), false);
+  std::string text = "Hopper TMA + wgmma grouped GEMM (";
+  text += a.fp8() ? "e4m3 codes with 128 x 128 block scales" : std::string(dtype_name(a.dtype));
+  text += v == Variant::sonicmoe ? "; token rows gathered into shared memory" : "; token rows copied to padded rows";
+  text += "), clusters of " + std::to_string(up) + " (up) / " + std::to_string(down) + " (down)";
+  return text;
+}
+
+std::string hopper_kernel_path(const ExpertsArgs& a, Variant v) {
+  if (hopper_decode_streams(a)) return "decode size: " + batched_mm_kernel_path(a);
+  return hopper_gemm_text(a, v);
+}
+
+}  // namespace
+
+std::string deepgemm_kernel_path(const ExpertsArgs& a) {
+  return hopper_kernel_path(a, Variant::deepgemm);
+}
+
+std::string sonicmoe_kernel_path(const ExpertsArgs& a) {
+  return hopper_kernel_path(a, Variant::sonicmoe);
 }
 
 std::size_t deepgemm_workspace_bytes(const ExpertsArgs& a) {

@@ -81,14 +81,7 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CU
 template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
 void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
                  const GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
-  // The masked layout's tiles of one group are not adjacent in rows; pairs share weights only in the
-  // contiguous one; nor in projections shallower than kPairsMinDepth: a stage is refilled only once both blocks have
-  // released it, and with few k-blocks a tile that coupling costs more than the shared weight tiles save (GEMM FP8
-  // down at Qwen3's K = 768: 1.046x unpaired; at DeepSeek-V3's K = 2,048 pairs pay:
-  // docs/history/benchmarks-hopper-sessions-6-26.md, sessions 22-23).
-  constexpr int64_t kPairsMinDepth = 1024;
-  const bool deep = int64_t{p.k_blocks} * kStageK<kFp8> >= kPairsMinDepth;
-  if (clusters_enabled() && !p.masked_m && deep)
+  if (cluster_blocks(int64_t{p.k_blocks} * kStageK<kFp8>, p.masked_m != nullptr) == 2)
     launch_gemm_on<T, kEpi, 2, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
   else
     launch_gemm_on<T, kEpi, 1, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);

@@ -43,13 +43,19 @@ template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
 void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int32_t* padded_pair, int64_t max_tiles,
                     const GemmProjection& j, cudaStream_t stream);
 
-// The launch switches, read once from the environment (for measuring one choice against the other).
-// Clusters of two blocks sharing weight tiles (the default); MOEKIT_DEEPGEMM_CLUSTER=1 in the environment
-// runs clusters of one instead (read once; for comparing them).
+// The launch switches (KernelOptions, kernel_options.h): clusters of two blocks sharing weight tiles, and the
+// contiguous layout's all-padding warpgroups skipping their math (measured 10-12% faster at 64 tokens).
 bool clusters_enabled();
-// The contiguous layout's all-padding warpgroups skip their math (measured 10-12% faster at 64 tokens);
-// MOEKIT_HOPPER_IDLE_PADDING=0 in the environment makes them compute their padding rows (for comparing).
-// Read once.
 bool idle_padding_enabled();
+
+// Blocks per cluster of a projection `depth` deep (K rounded up to whole stages): 2, sharing weight tiles, in the
+// contiguous layout from 1,024 deep with clusters_enabled(); else 1. The masked layout's tiles of one group are not
+// adjacent in rows; and in shallower projections a stage is refilled only once both blocks have released it, which
+// with few k-blocks a tile costs more than the shared weight tiles save (GEMM FP8 down at Qwen3's K = 768: 1.046x
+// unpaired; at DeepSeek-V3's K = 2,048 pairs pay: docs/history/benchmarks-hopper-sessions-6-26.md, sessions 22-23).
+inline int cluster_blocks(int64_t depth, bool masked) {
+  constexpr int64_t kPairsMinDepth = 1024;
+  return clusters_enabled() && !masked && depth >= kPairsMinDepth ? 2 : 1;
+}
 
 }  // namespace moekit::cuda::hopper
