@@ -8,8 +8,8 @@
 # with those patches applied (a git worktree and build directory under build-variants/name/, kept for
 # incremental rebuilds; uncommitted changes are not in it) into gpu-bundle/moekit_name.xz and
 # gpu-bundle/moekit_tests_name.xz: `gpu_check.sh ab` times it as side `name` with AB_BINARIES=name, and its
-# tests run on the GPU machine after `xz -dc`. Example: VARIANTS="turns:docs/experiments/fp8-trace-and-turns.patch;
-# trace:docs/experiments/fp8-trace-and-turns.patch:-DCMAKE_CUDA_FLAGS=-DMOEKIT_HOPPER_TRACE=1".
+# tests run on the GPU machine after `xz -dc`. Example: VARIANTS="turns:/tmp/turns.patch;
+# trace:/tmp/turns.patch:-DCMAKE_CUDA_FLAGS=-DMOEKIT_HOPPER_TRACE=1".
 # VARIANTS_IN_TREE=1 builds the variants in this tree's build directory instead: each variant's patches are applied
 # to the working tree (which must not differ from HEAD in tracked files), its two targets rebuilt, the patches
 # reverted, and this tree rebuilt at the end. Incremental builds (minutes on a fresh checkout, where each worktree
