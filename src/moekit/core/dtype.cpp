@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cctype>
 #include <cmath>
+
+#include "moekit/quantization.h"
 
 namespace moekit {
 namespace {
@@ -136,6 +139,19 @@ uint8_t e2m1_from_float(float v) {
   // 3.5 -> 4.0, 5 -> 4.0), so > at midpoints that tie down and >= at those that tie up.
   const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
   return static_cast<uint8_t>(code | (std::signbit(v) ? 8 : 0));
+}
+
+// Declared in quantization.h; defined here, beside the ue8m0 type, so that every layer that rounds a scale up
+// (the weights' quantisation in core, the activations' in cpu) links it from moekit_base.
+ue8m0 ue8m0_ceil(float v) {
+  const uint32_t bits = std::bit_cast<uint32_t>(v);
+  if (!std::isfinite(v) || std::signbit(v)) return ue8m0{0xff};  // no power of two covers these
+  if (v <= std::ldexp(1.0f, -127)) return ue8m0{0};
+  const uint32_t exponent = bits >> 23, mantissa = bits & 0x7fffffu;
+  if (exponent == 0) return ue8m0{1};  // a subnormal above 2^-127: 2^-126 covers it
+  // 2^127 is the largest code; the few floats above it saturate there (and their values past the format's
+  // largest code saturate in the conversion that follows).
+  return ue8m0{static_cast<uint8_t>(std::min<uint32_t>(mantissa == 0 ? exponent : exponent + 1, 0xfeu))};
 }
 
 }  // namespace moekit

@@ -11,11 +11,12 @@
 #include <cmath>
 #include <sstream>
 
-#include "moekit/cpu/activation_quantization.h"
-#include "moekit/cpu/gemv.h"
+#include "moekit/core/e4m3_rounding.h"
 
 namespace moekit {
 namespace {
+
+using detail::block_scale;
 
 constexpr std::array<std::pair<WeightFormat, std::string_view>, 3> kFormats = {{
     {WeightFormat::none, "none"},
@@ -29,13 +30,6 @@ constexpr std::array<std::pair<ActivationScheme, std::string_view>, 2> kSchemes 
 
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
-}
-
-// The scale of a block (or activation group) whose largest magnitude is amax, for codes up to max_code.
-float block_scale(float amax, float max_code, bool power_of_two) {
-  if (amax == 0.0f) return 1.0f;  // every value is 0, whatever the scale
-  const float scale = std::max(amax / max_code, FLT_MIN);
-  return power_of_two ? to_float(ue8m0_ceil(scale)) : scale;
 }
 
 // Records the smallest flat index of a non-finite weight seen by any thread.
@@ -106,17 +100,6 @@ Shape weight_scale_shape(WeightFormat format, int64_t experts, int64_t rows, int
   MOEKIT_CHECK(format != WeightFormat::none, "weight_scale_shape: unquantised weights have no scales");
   if (format == WeightFormat::fp4_e2m1) return {experts, rows, ceil_div(cols, kFp4BlockSize)};
   return {experts, ceil_div(rows, kFp8BlockSize), ceil_div(cols, kFp8BlockSize)};
-}
-
-ue8m0 ue8m0_ceil(float v) {
-  const uint32_t bits = std::bit_cast<uint32_t>(v);
-  if (!std::isfinite(v) || std::signbit(v)) return ue8m0{0xff};  // no power of two covers these
-  if (v <= std::ldexp(1.0f, -127)) return ue8m0{0};
-  const uint32_t exponent = bits >> 23, mantissa = bits & 0x7fffffu;
-  if (exponent == 0) return ue8m0{1};  // a subnormal above 2^-127: 2^-126 covers it
-  // 2^127 is the largest code; the few floats above it saturate there (and their values past the format's
-  // largest code saturate in the conversion that follows).
-  return ue8m0{static_cast<uint8_t>(std::min<uint32_t>(mantissa == 0 ? exponent : exponent + 1, 0xfeu))};
 }
 
 QuantizedWeights quantize_weights(const Tensor& weights, WeightFormat format, DType scale_dtype) {
@@ -239,69 +222,6 @@ Tensor dequantize_weights(const Tensor& weights, const Tensor& scale_inv, DType 
     });
   });
   return out;
-}
-
-namespace {
-
-// The e4m3 value nearest to v (ties to even, saturating at +-448, NaN kept) as a float: what
-// to_float(from_float<f8_e4m3>(v)) gives, written without branches so that the activation loop vectorises.
-// Normal range: round the float's mantissa to 3 bits in place. Below 2^-6 e4m3 steps by 2^-9: adding 2^14
-// puts the float's last mantissa bit at 2^-9, so the addition itself rounds to nearest even there.
-inline float round_to_e4m3(float v) {
-  const float a = std::fabs(v);
-  uint32_t bits = std::bit_cast<uint32_t>(a);
-  bits = (bits + 0x7ffffu + ((bits >> 20) & 1u)) & 0xfff00000u;
-  const float normal = std::bit_cast<float>(bits);
-  const float subnormal = (a + 16384.0f) - 16384.0f;
-  float r = a < 0x1p-6f ? subnormal : normal;
-  r = r > kE4m3Max ? kE4m3Max : r;  // false for NaN: NaN goes through
-  r = a != a ? a : r;
-  return std::copysign(r, v);
-}
-
-// The e4m3 code of a value that is already one (round_to_e4m3's results, NaN included), without branches:
-// normal values rebias the float's exponent and keep its top 3 mantissa bits; below 2^-6 the value is a
-// multiple of 2^-9, so value * 512 is the code.
-inline f8_e4m3 e4m3_code_of(float r) {
-  const float a = std::fabs(r);
-  const uint32_t normal = (std::bit_cast<uint32_t>(a) >> 20) - (120u << 3);
-  uint32_t code = a < 0x1p-6f ? static_cast<uint32_t>(a * 512.0f) : normal;
-  code = a != a ? 0x7fu : code;
-  return f8_e4m3{static_cast<uint8_t>(((std::bit_cast<uint32_t>(r) >> 24) & 0x80u) | code)};
-}
-
-}  // namespace
-
-// Where the CPU has AVX-512, each group's maximum and rounding run on cpu::avx512's bit-exact twins of the
-// loops below (the GCC 12 vectoriser leaves these loops scalar: a float max and selects).
-void quantize_activations(const float* x, int64_t n, bool power_of_two_scales, float* dequantized, f8_e4m3* codes,
-                          float* scales) {
-  const bool simd = cpu::gemv_uses_avx512();
-  for (int64_t g0 = 0; g0 < n; g0 += kActivationGroupSize) {
-    const int64_t g1 = std::min(n, g0 + kActivationGroupSize);
-    float amax = 0;
-    if (simd)
-      amax = cpu::avx512::group_amax(x + g0, g1 - g0);
-    else
-      for (int64_t i = g0; i < g1; ++i) amax = std::max(amax, std::fabs(x[i]));
-    const float scale = block_scale(amax, kE4m3Max, power_of_two_scales);
-    if (scales) scales[g0 / kActivationGroupSize] = scale;
-    if (simd) {
-      cpu::avx512::quantize_group(x + g0, g1 - g0, scale, dequantized + g0, codes ? codes + g0 : nullptr);
-    } else if (codes) {
-      for (int64_t i = g0; i < g1; ++i) {
-        const float r = round_to_e4m3(x[i] / scale);
-        codes[i] = e4m3_code_of(r);
-        dequantized[i] = r * scale;
-      }
-    } else {
-      for (int64_t i = g0; i < g1; ++i) dequantized[i] = round_to_e4m3(x[i] / scale) * scale;
-    }
-  }
-}
-
-float round_to_e4m3_value(float v) {
-  return round_to_e4m3(v);
 }
 
 }  // namespace moekit
