@@ -81,6 +81,9 @@ struct ExpertsShape {
 // Checks every shape, dtype, rank, device and stride of the problem against the contract and returns
 // its sizes; throws moekit::Error naming the tensor and what was expected. Does not read ids.
 ExpertsShape validate(const ExpertsProblem& problem);
+// The sizes of a problem validate() accepted, read from its tensors without checking them again: what a backend's
+// supports, workspace_bytes and forward use, so that a call validates its problem once (experts_forward does).
+ExpertsShape problem_shape(const ExpertsProblem& problem);
 // Also scans the ids (CPU tensors only): throws on a negative id, naming the token and slot.
 void check_routing_ids(const ExpertsProblem& problem);
 

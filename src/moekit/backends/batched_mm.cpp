@@ -48,7 +48,7 @@ struct Workspace {
   std::size_t bytes = 0;
 
   Workspace(const ExpertsProblem& p, void* base) {
-    const ExpertsShape s = validate(p);
+    const ExpertsShape s = problem_shape(p);
     const int64_t H = s.hidden, I = s.intermediate, K = s.top_k;
     const int64_t N = p.config.has_gate ? 2 * I : I;
     const int64_t block = std::min(s.tokens, kTokensPerBlock);

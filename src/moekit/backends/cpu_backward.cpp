@@ -80,7 +80,7 @@ struct BackwardBuffers {
   std::size_t offsets[11] = {};
 
   explicit BackwardBuffers(const ExpertsProblem& p) {
-    const ExpertsShape s = validate(p);
+    const ExpertsShape s = problem_shape(p);
     rows = s.tokens * s.top_k + 15 * s.experts;
     H = s.hidden;
     I = s.intermediate;

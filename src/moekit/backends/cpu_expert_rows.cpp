@@ -14,7 +14,7 @@ void ActivationQuantization::apply(float* values, int64_t n, f8_e4m3* codes, flo
 }
 
 ExpertLayout::ExpertLayout(const ExpertsProblem& p) : activations(p) {
-  const ExpertsShape s = validate(p);
+  const ExpertsShape s = problem_shape(p);
   hidden = s.hidden;
   intermediate = s.intermediate;
   experts = s.experts;
@@ -156,7 +156,7 @@ void e4m3_codes_to_bf16(const void* codes, int64_t n, bf16* dst) {
 
 RowBuffers::RowBuffers(const ExpertsProblem& p, int64_t pad_rows, bool codes)
     : block_scaled_codes(codes), pad_rows_(pad_rows) {
-  const ExpertsShape s = validate(p);
+  const ExpertsShape s = problem_shape(p);
   max_rows = s.tokens * s.top_k;
   hidden = s.hidden;
   intermediate = s.intermediate;

@@ -35,7 +35,7 @@ Support HopperBackend::supports(const ExpertsProblem& p) const {
                        std::string(dtype_name(dtype)) + " (use grouped_mm for float32)");
   if (p.config.is_transposed)
     return Support::no(n + " reads weights as [experts, out, in] (is_transposed = false); these are transposed");
-  const ExpertsShape s = validate(p);
+  const ExpertsShape s = problem_shape(p);
   if (s.hidden % 8 != 0 || s.intermediate % 8 != 0)
     return Support::no(n + "'s tensor copies need rows of a multiple of 16 bytes: hidden size " +
                        std::to_string(s.hidden) + " and intermediate size " + std::to_string(s.intermediate) +

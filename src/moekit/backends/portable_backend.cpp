@@ -19,7 +19,7 @@ Support cuda_device_support(Device device) {
 
 #if MOEKIT_HAS_CUDA
 cuda::ExpertsArgs cuda_args(const ExpertsProblem& p, Tensor* out) {
-  const ExpertsShape s = validate(p);
+  const ExpertsShape s = problem_shape(p);
   const ExpertsConfig& c = p.config;
   cuda::ExpertsArgs a;
   a.tokens = s.tokens;

@@ -59,6 +59,17 @@ void check_shape(const Tensor& t, const char* name, const Shape& expected, const
 
 }  // namespace
 
+ExpertsShape problem_shape(const ExpertsProblem& p) {
+  ExpertsShape s;
+  s.tokens = p.hidden_states.size(0);
+  s.hidden = p.hidden_states.size(1);
+  s.top_k = p.top_k_index.size(1);
+  s.experts = p.gate_up_proj.size(0);
+  const int64_t n = p.gate_up_proj.size(p.config.is_transposed ? 2 : 1);
+  s.intermediate = p.config.has_gate ? n / 2 : n;
+  return s;
+}
+
 ExpertsShape validate(const ExpertsProblem& p) {
   const ExpertsConfig& c = p.config;
   MOEKIT_CHECK(p.hidden_states.defined(), "hidden_states is missing");
