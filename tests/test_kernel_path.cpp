@@ -55,8 +55,9 @@ TEST(KernelOptions, DescribeNamesEveryFieldAndSetRoundTrips) {
     EXPECT_EQ(now.hopper_clusters, o.hopper_clusters);
     EXPECT_EQ(now.cpu_fp8_own_kernel, o.cpu_fp8_own_kernel);
     const std::string text = describe(now);
-    for (const char* field : {"grouped_mm_hopper_kernels=", "hopper_clusters=", "hopper_idle_padding=",
-                              "hopper_decode_streaming=", "batched_mm_tensor_cores=", "cpu_fp8_own_kernel="})
+    for (const char* field :
+         {"grouped_mm_hopper_kernels=", "grouped_mm_gathered_rows=", "hopper_clusters=", "hopper_idle_padding=",
+          "hopper_decode_streaming=", "batched_mm_tensor_cores=", "cpu_fp8_own_kernel="})
       EXPECT_TRUE(contains(text, field)) << text;
     EXPECT_TRUE(contains(text, std::string("hopper_clusters=") + (o.hopper_clusters ? "1" : "0"))) << text;
   }
@@ -144,8 +145,16 @@ INSTANTIATE_TEST_SUITE_P(
     Switches, KernelPathCuda,
     ::testing::Values(SwitchCase{"grouped_mm_hopper_kernels", "grouped_mm", 256,
                                  [](KernelOptions& k) { k.grouped_mm_hopper_kernels = false; },
-                                 "deepgemm's kernels: Hopper TMA",
+                                 "sonicmoe's kernels: Hopper TMA",
                                  "portable grouped GEMM (bf16) on mma.sync tensor cores", true},
+                      SwitchCase{"grouped_mm_gathered_rows", "grouped_mm", 256,
+                                 [](KernelOptions& k) { k.grouped_mm_gathered_rows = false; },
+                                 "sonicmoe's kernels: Hopper TMA + wgmma grouped GEMM (bf16; token rows gathered",
+                                 "deepgemm's kernels: Hopper TMA + wgmma grouped GEMM (bf16; token rows copied", true},
+                      // 16,384 pairs, past the gathering range: deepgemm's variant either way.
+                      SwitchCase{"grouped_mm_past_the_gathering_range", "grouped_mm", 4096,
+                                 [](KernelOptions& k) { k.grouped_mm_gathered_rows = false; },
+                                 "deepgemm's kernels: Hopper TMA", "deepgemm's kernels: Hopper TMA", true},
                       SwitchCase{"hopper_decode_streaming", "deepgemm", 2,
                                  [](KernelOptions& k) { k.hopper_decode_streaming = false; }, "decode size: batched_mm",
                                  "Hopper TMA + wgmma grouped GEMM (bf16; token rows copied", true},

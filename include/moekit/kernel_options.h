@@ -12,6 +12,10 @@ struct KernelOptions {
   // CUDA grouped_mm on Hopper runs deepgemm's TMA + wgmma kernels where they take the problem; false keeps its
   // portable kernels there. MOEKIT_HOPPER_GEMM=0 sets it false.
   bool grouped_mm_hopper_kernels = true;
+  // There, from 32 to 1,024 tokens with top-k >= 4 (at most 8,192 pairs; bf16/f16), it takes sonicmoe's variant of
+  // them (token rows gathered into the first GEMM, each row weighted in the second's epilogue), measured faster at
+  // those sizes; false: deepgemm's (rows copied, weighted in the combine). MOEKIT_GROUPED_MM_GATHER=0 sets it false.
+  bool grouped_mm_gathered_rows = true;
   // The Hopper GEMMs at least 1,024 deep run in clusters of two blocks sharing (multicasting) weight tiles; false:
   // clusters of one. MOEKIT_DEEPGEMM_CLUSTER=1 sets it false.
   bool hopper_clusters = true;

@@ -15,6 +15,7 @@ bool env_is(const char* name, const char* value) {
 KernelOptions from_environment() {
   KernelOptions o;
   o.grouped_mm_hopper_kernels = !env_is("MOEKIT_HOPPER_GEMM", "0");
+  o.grouped_mm_gathered_rows = !env_is("MOEKIT_GROUPED_MM_GATHER", "0");
   o.hopper_clusters = !env_is("MOEKIT_DEEPGEMM_CLUSTER", "1");
   o.hopper_idle_padding = !env_is("MOEKIT_HOPPER_IDLE_PADDING", "0");
   o.hopper_decode_streaming = !env_is("MOEKIT_HOPPER_DECODE_STREAMING", "0");
@@ -55,6 +56,7 @@ std::string describe(const KernelOptions& o) {
     out += value ? "=1" : "=0";
   };
   field("grouped_mm_hopper_kernels", o.grouped_mm_hopper_kernels);
+  field("grouped_mm_gathered_rows", o.grouped_mm_gathered_rows);
   field("hopper_clusters", o.hopper_clusters);
   field("hopper_idle_padding", o.hopper_idle_padding);
   field("hopper_decode_streaming", o.hopper_decode_streaming);
