@@ -185,7 +185,7 @@ __device__ __forceinline__ void mma_16bit(MathPipeline<C::kStages, C::kCluster>&
     cute::warpgroup_commit_batch();
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) cute::warpgroup_fence_operand(acc[i]);
-    // One batch stays in flight: wait for the previous k block's products, then free its pipe.stage.
+    // One batch stays in flight: wait for the previous k block's products, then free its stage.
     cute::warpgroup_wait<1>();
     if (previous >= 0) pipe.release(previous);
     previous = pipe.stage;
