@@ -9,8 +9,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 
 #include "moekit/dtype.h"
@@ -66,13 +64,6 @@ bool device_is_sm90();
 // Whether p is 16-byte aligned (the vector loads' requirement).
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
-// Whether environment variable `name` is set to exactly `value` (the MOEKIT_* switches of the launchers,
-// each read once into a static by its caller).
-inline bool env_equals(const char* name, const char* value) {
-  const char* v = std::getenv(name);
-  return v && std::strcmp(v, value) == 0;
 }
 
 }  // namespace moekit::cuda
