@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "moekit/experts.h"
+#include "moekit/kernel_options.h"
 #include "moekit/tensor.h"
 #include "moekit/testing/reference.h"
 
@@ -74,6 +75,18 @@ inline CliResult run_cli(const std::string& args, const std::filesystem::path& d
   return r;
 }
 #endif
+
+// Sets the kernel options (kernel_options.h) for its lifetime and restores the previous ones.
+class ScopedKernelOptions {
+ public:
+  explicit ScopedKernelOptions(const KernelOptions& options) : saved_(kernel_options()) { set_kernel_options(options); }
+  ~ScopedKernelOptions() { set_kernel_options(saved_); }
+  ScopedKernelOptions(const ScopedKernelOptions&) = delete;
+  ScopedKernelOptions& operator=(const ScopedKernelOptions&) = delete;
+
+ private:
+  KernelOptions saved_;
+};
 
 // Passes when fn throws moekit::Error and its message contains every part; the failure message shows
 // what was thrown instead, so a wrong message is diagnosable from the log alone.

@@ -1,7 +1,7 @@
 // Which kernels a call runs (experts_kernel_path, ExpertsBackend::kernel_path) and the switches that choose them
 // (kernel_options.h): the path names the kernel family, changes when a switch changes what runs, and every path a
-// switch selects still matches the float64 reference. The CUDA cases need a GPU (the Hopper ones compute capability
-// 9.0) and skip elsewhere with the reason.
+// switch selects still matches the float64 reference (CPU grouped_mm's FP8 switch: test_quantized_experts.cpp). The
+// CUDA cases need a GPU (the Hopper ones compute capability 9.0) and skip elsewhere with the reason.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -16,18 +16,6 @@
 
 namespace moekit {
 namespace {
-
-// Sets kernel options for its lifetime and restores the previous ones.
-class ScopedKernelOptions {
- public:
-  explicit ScopedKernelOptions(const KernelOptions& options) : saved_(kernel_options()) { set_kernel_options(options); }
-  ~ScopedKernelOptions() { set_kernel_options(saved_); }
-  ScopedKernelOptions(const ScopedKernelOptions&) = delete;
-  ScopedKernelOptions& operator=(const ScopedKernelOptions&) = delete;
-
- private:
-  KernelOptions saved_;
-};
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -50,7 +38,7 @@ TEST(KernelOptions, DescribeNamesEveryFieldAndSetRoundTrips) {
   o.hopper_clusters = !o.hopper_clusters;
   o.cpu_fp8_own_kernel = !o.cpu_fp8_own_kernel;
   {
-    ScopedKernelOptions scoped(o);
+    test::ScopedKernelOptions scoped(o);
     const KernelOptions now = kernel_options();
     EXPECT_EQ(now.hopper_clusters, o.hopper_clusters);
     EXPECT_EQ(now.cpu_fp8_own_kernel, o.cpu_fp8_own_kernel);
@@ -76,30 +64,6 @@ TEST(KernelPath, RefusedProblemThrowsWithTheReason) {
   const ExpertsProblem p = make_random_problem(small_problem(8));
   EXPECT_TRUE(test::throws_error_with([&] { experts_kernel_path(p, "deepgemm"); }, {"deepgemm", "cannot run"}));
   EXPECT_TRUE(test::throws_error_with([&] { experts_kernel_path(p, "no_such_backend"); }, {"no_such_backend"}));
-}
-
-// CPU grouped_mm with FP8 weights and float scales: the switch between moekit's AVX512-BF16 kernel and oneDNN per
-// block shows in the path (where the CPU has the kernel), and both paths match the reference.
-TEST(KernelPath, CpuFp8SwitchChangesThePathAndBothMatch) {
-  RandomProblemOptions o = small_problem(40);
-  o.hidden = 512;
-  o.intermediate = 384;
-  o.config.quantization.weights = WeightFormat::fp8_e4m3;
-  o.scale_dtype = DType::f32;
-  const ExpertsProblem p = make_random_problem(o);
-  const std::vector<double> reference = experts_reference(p);
-  std::vector<std::string> paths;
-  for (const bool own : {true, false}) {
-    KernelOptions k = kernel_options();
-    k.cpu_fp8_own_kernel = own;
-    ScopedKernelOptions scoped(k);
-    paths.push_back(experts_kernel_path(p, "grouped_mm"));
-    const test::Comparison c = test::compare_with_reference(experts_forward(p, "grouped_mm"), reference,
-                                                            test::tolerance_for(p.hidden_states.dtype(), true));
-    EXPECT_TRUE(c.passed()) << paths.back() << ": " << c.summary();
-  }
-  EXPECT_TRUE(contains(paths[1], "oneDNN bf16 products per 128-wide block")) << paths[1];
-  EXPECT_TRUE(paths[0] == paths[1] || contains(paths[0], "AVX512-BF16 block-scaled GEMM")) << paths[0];
 }
 
 // On a GPU: each switch that selects another CUDA kernel family shows in the path, and the output still matches.
@@ -129,7 +93,7 @@ TEST_P(KernelPathCuda, SwitchChangesThePathAndTheResultStillMatches) {
   for (const bool flipped : {false, true}) {
     KernelOptions k = defaults;
     if (flipped) c.flip(k);
-    ScopedKernelOptions scoped(k);
+    test::ScopedKernelOptions scoped(k);
     const std::string path = experts_kernel_path(p, c.backend);
     EXPECT_TRUE(contains(path, flipped ? c.after : c.before)) << (flipped ? "flipped: " : "default: ") << path;
     Tensor out = test::poisoned_output(p, Device::cuda());

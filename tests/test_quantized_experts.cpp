@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -116,22 +115,20 @@ TEST(GroupedMmFp8FloatScales, BothProductPathsMatchTheReference) {
   o.tokens = 40;
   const ExpertsProblem p = make_random_problem(o);
   const std::vector<double> reference = experts_reference(p);
-  struct OneDnnProducts {  // KernelOptions::cpu_fp8_own_kernel off while it lives
-    KernelOptions saved = kernel_options();
-    OneDnnProducts() {
-      KernelOptions o = saved;
-      o.cpu_fp8_own_kernel = false;
-      set_kernel_options(o);
-    }
-    ~OneDnnProducts() { set_kernel_options(saved); }
-  };
+  std::vector<std::string> paths;
   for (const bool onednn : {false, true}) {
-    std::optional<OneDnnProducts> forced;
-    if (onednn) forced.emplace();
+    KernelOptions k = kernel_options();
+    k.cpu_fp8_own_kernel = !onednn;
+    test::ScopedKernelOptions scoped(k);
+    paths.push_back(experts_kernel_path(p, "grouped_mm"));
     const test::Comparison c = test::compare_with_reference(experts_forward(p, "grouped_mm"), reference,
                                                             test::tolerance_for(p.hidden_states.dtype(), true));
-    EXPECT_TRUE(c.passed()) << (onednn ? "oneDNN per block: " : "default products: ") << c.summary();
+    EXPECT_TRUE(c.passed()) << (onednn ? "oneDNN per block: " : "default products: ") << paths.back() << ": "
+                            << c.summary();
   }
+  // The switch shows in the path (where the CPU has moekit's kernel; elsewhere both paths are oneDNN's).
+  EXPECT_TRUE(paths[1].find("oneDNN bf16 products per 128-wide block") != std::string::npos) << paths[1];
+  EXPECT_TRUE(paths[0] == paths[1] || paths[0].find("AVX512-BF16 block-scaled GEMM") != std::string::npos) << paths[0];
 }
 
 // ---------------------------------------------------------------------------------------------------------
