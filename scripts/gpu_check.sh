@@ -2,7 +2,7 @@
 # Runs on the GPU machine in one call: CUDA tests, then moekit's benchmark and transformers'
 # backends side by side on the same shapes (scripts/compare_transformers.py). Takes the binaries
 # built on the CPU machine by scripts/make_gpu_bundle.sh (carried as gpu-bundle/).
-# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|model|sass|ncu|profile|kprofile|stress|ab|all]   (default all); results under $OUT if set.
+# Usage: scripts/gpu_check.sh [tests|bench|decode|gemm|compare|vllm|model|sass|ncu|profile|kprofile|stress|ab|all]   (default all); results under $OUT if set.
 # decode: batched_mm at 1 and 8 tokens with graphs, bf16 / FP8 / FP4 weights, the quantised ones through the
 # tensor-core path and through the older kernels (MOEKIT_BATCHED_MM_TENSOR_CORES=0), in one lease.
 # gemm: the Hopper grouped GEMM alone next to DeepGEMM's figures (moekit bench-gemm; GEMM_ARGS adds flags).
@@ -35,6 +35,8 @@
 # backward: the backward harness and the backward's CUDA-graph test on CUDA (BACKWARD_FILTER: a gtest filter within
 # them, default every backend), then `moekit bench --backward` (BACKWARD_BENCH_ARGS, default the Qwen3-30B-A3B and
 # DeepSeek-V3 shapes at 4,096 and 16,384 tokens, grouped_mm beside the Hopper backends).
+# vllm: vLLM's Triton fused_moe kernel (gpu-bundle/vllm/, from scripts/fetch_vllm_kernel.sh) next to `moekit bench
+# --graphs` on issue 37's shapes and serving token counts (scripts/compare_vllm.py; VLLM_ARGS adds its flags).
 # model: the built-in model generating on the GPU, then scripts/bench_model.py (moekit's model runtime
 # next to transformers on one random Qwen3-30B-A3B-shaped checkpoint).
 set -uo pipefail
@@ -84,6 +86,11 @@ if [[ $what == gemm || $what == all ]]; then
 fi
 if [[ $what == compare || $what == all ]]; then
   PYTHONUNBUFFERED=1 python3 scripts/compare_transformers.py --moekit ./gpu-bundle/moekit --out "$out" ${COMPARE_ARGS:-} 2>&1 | tee "$out/compare.log"
+fi
+if [[ $what == vllm ]]; then
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 python3 scripts/compare_vllm.py --vllm-kernel gpu-bundle/vllm/fused_moe.py \
+    --moekit ./gpu-bundle/moekit --out "$out" ${VLLM_ARGS:-} 2>&1 | tee "$out/compare_vllm.log"
 fi
 if [[ $what == model || $what == all ]]; then
   ./gpu-bundle/moekit generate --device cuda --max-new-tokens 16 --ignore-eos 2>&1 | tee "$out/generate_cuda.log"

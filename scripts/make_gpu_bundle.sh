@@ -31,6 +31,9 @@ rm -rf gpu-bundle/lib
 # The tests binary compressed too (21 MB -> 3), so that variants fit in what a call may carry;
 # gpu_check.sh unpacks it (or: xz -dc gpu-bundle/moekit_tests.xz > gpu-bundle/moekit_tests).
 xz -T2 -f gpu-bundle/moekit_tests
+# vLLM's Triton kernel source and configurations for scripts/compare_vllm.py, where scripts/fetch_vllm_kernel.sh
+# fetched them (about 300 KB).
+if [[ -f .deps/vllm-kernel/fused_moe.py ]]; then cp -r .deps/vllm-kernel gpu-bundle/vllm; fi
 # A git worktree at revision $2 in directory $1/src (created, or reset and moved there), for BASELINE and VARIANTS.
 checkout_worktree() {
   if [[ -d $1/src ]]; then
