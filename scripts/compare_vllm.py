@@ -120,7 +120,7 @@ def device_file_name(torch) -> str:
     return "NVIDIA_H200" if "H200" in name.split("_") else name
 
 
-def vllm_config(args, torch, T: int, E: int, I: int, H: int, K: int) -> tuple[dict, str]:
+def vllm_config(args, torch, T: int, E: int, I: int) -> tuple[dict, str]:
     """(config, where it came from) as vLLM 0.33 picks it for bf16 weights."""
     if args.vllm_configs:
         path = os.path.join(args.vllm_configs, f"E={E},N={I},device_name={device_file_name(torch)}.json")
@@ -188,7 +188,7 @@ class VllmLayer:
         self.w1, self.w2, self.hidden, self.top_w = w1, w2, hidden, top_w.float().contiguous()
         T, K = top_i.shape
         E, N, H = w1.shape
-        self.T, self.K, self.E, self.N, self.H = T, K, E, N, H
+        self.T, self.K, self.N = T, K, N
         self.config = dict(config)
         self.block_k = self.config.pop("BLOCK_SIZE_K")
         self.config.pop("SPLIT_K", None)
@@ -282,8 +282,9 @@ def bench_vllm_shape(args, torch, triton, tl, kernel, silu_and_mul, shape: str, 
     for T in args.tokens:
         hidden, top_i, top_w, _ = ct.make_routing(torch, T, E, K, H, dev, args.seed)
         touched = int(torch.unique(top_i).numel())
-        floor_ms = (touched * 3 * H * I * 2 + 2 * T * H * 2) / (bandwidth_gbs * 1e9) * 1e3
-        config, source = vllm_config(args, torch, T, E, I, H, K)
+        floor_bytes, _flops = ct.floor_and_flops(args, H, I, K, T, touched)  # as moekit bench counts them
+        floor_ms = floor_bytes / (bandwidth_gbs * 1e9) * 1e3
+        config, source = vllm_config(args, torch, T, E, I)
         r = {"tokens": T, "experts_touched": touched, "floor_ms": floor_ms, "config": config, "config_source": source}
         try:
             layer = VllmLayer(torch, triton, tl, kernel, silu_and_mul, w1, w2, hidden, top_i, top_w, config)

@@ -4,7 +4,7 @@
 # tuned kernel configurations of the unquantised layer for H100 and H200, into .deps/vllm-kernel/ (git-ignored).
 # scripts/make_gpu_bundle.sh copies that folder into gpu-bundle/vllm/. vLLM is measured, never a dependency: nothing
 # else reads these files, and none of them is in the repository. Its wheel (336 MB) is more than a device call may
-# carry, the two pieces are about 200 KB.
+# carry, the pieces taken are about 300 KB.
 #
 # Usage: scripts/fetch_vllm_kernel.sh   (the wheel is kept in .deps/vllm/ for the next run)
 set -euo pipefail
