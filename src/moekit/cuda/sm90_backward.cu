@@ -41,9 +41,21 @@ CUtensorMap chunk_map(const void* base, DType dtype, int64_t columns, int64_t ro
   return make_tensor_map(base, dtype, s);
 }
 
-// The A and B maps of a launch; a gathered operand, which the kernel never reads by map, gets any valid one.
+// G's float z [rows, N] in the boxes its epilogue reads (sm90_backward::kZCols).
+CUtensorMap z_map(const float* z, int64_t n, int64_t rows) {
+  TensorMapShape s;
+  s.rank = 2;
+  s.sizes = {static_cast<uint64_t>(n), static_cast<uint64_t>(std::max<int64_t>(rows, 1)), 0, 0, 0};
+  s.strides = {static_cast<uint64_t>(n) * 4, 0, 0, 0};
+  s.box = {sm90_backward::kZCols, sm90_backward::kBlockM, 0, 0, 0};
+  s.swizzle_f32 = true;
+  return make_tensor_map(z, DType::f32, s);
+}
+
+// The A, B and z maps of a launch; a gathered operand, which the kernel never reads by map, and z outside G get
+// any valid one.
 struct Maps {
-  CUtensorMap a, b;
+  CUtensorMap a, b, z;
 };
 
 template <typename T, Major kA, Major kB, bool kGatherA, bool kGatherB, Grouping kGroup, Epilogue kEpi>
@@ -52,7 +64,7 @@ void launch(const Maps& maps, const Params& p, int64_t max_units, cudaStream_t s
   auto* kernel = sm90_backward::backward_gemm_kernel<T, kA, kB, kGatherA, kGatherB, kGroup, kEpi>;
   allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), sm90_backward::kSmemBytes);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(max_units, multiprocessor_count()));
-  kernel<<<blocks, sm90_backward::kThreads, sm90_backward::kSmemBytes, stream>>>(maps.a, maps.b, p);
+  kernel<<<blocks, sm90_backward::kThreads, sm90_backward::kSmemBytes, stream>>>(maps.a, maps.b, maps.z, p);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -101,23 +113,23 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   z.B = Operand{a.up, H, N * H, nullptr, H};
   z.n = N, z.k = H, z.n_blocks = blocks_of(N, sm90_backward::kBlockN);
   z.out = p.z, z.ld_out = N;
-  launch<T, Major::k, Major::k, true, false, Grouping::rows, Epilogue::store_float>({up_map, up_map}, z,
+  launch<T, Major::k, Major::k, true, false, Grouping::rows, Epilogue::store_float>({up_map, up_map, up_map}, z,
                                                                                     max_tiles * z.n_blocks, stream);
 
   Params g = base;  // G = grad_out @ down_e, into dz, wa and the partial sums
   g.A = Operand{p.b.grad_out, H, 0, p.row_token, H};
   g.B = Operand{a.down, I, H * I, nullptr, I};
   g.n = I, g.k = H, g.n_blocks = blocks_of(I, sm90_backward::kBlockN);
-  g.z = p.z, g.dz = p.dz, g.wa = p.wa, g.route_partials = p.route_partials, g.partial_blocks = p.partial_blocks;
+  g.dz = p.dz, g.wa = p.wa, g.route_partials = p.route_partials, g.partial_blocks = p.partial_blocks;
   launch<T, Major::k, Major::mn, true, false, Grouping::rows, Epilogue::activation_gradient>(
-      {down_map, down_map}, g, max_tiles * g.n_blocks, stream);
+      {down_map, down_map, z_map(p.z, N, rows)}, g, max_tiles * g.n_blocks, stream);
 
   Params dx = base;  // dx = dz @ up_e
   dx.A = Operand{p.dz, N, 0, nullptr, N};
   dx.B = Operand{a.up, H, N * H, nullptr, H};
   dx.n = H, dx.k = N, dx.n_blocks = blocks_of(H, sm90_backward::kBlockN);
   dx.out = p.dx, dx.ld_out = H;
-  launch<T, Major::k, Major::mn, false, false, Grouping::rows, Epilogue::store_rows>({dz_map, up_map}, dx,
+  launch<T, Major::k, Major::mn, false, false, Grouping::rows, Epilogue::store_rows>({dz_map, up_map, up_map}, dx,
                                                                                      max_tiles * dx.n_blocks, stream);
 
   finish_token_gradients(p, stream);
@@ -140,14 +152,14 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
     up.m = N, up.n = H, up.ld_out = H;
     up.m_blocks = blocks_of(N, sm90_backward::kBlockM), up.n_blocks = blocks_of(H, sm90_backward::kBlockN);
     launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>(
-        {dz_map, xs_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
+        {dz_map, xs_map, xs_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
   } else {  // grad_up_e^T [H, N] = x_e^T dz_e, stored transposed: the gathered x is A, the 2-chunk operand
     up.A = Operand{a.x, H, 0, p.row_token, H};
     up.B = Operand{p.dz, N, 0, nullptr, N};
     up.m = H, up.n = N, up.ld_out = H;
     up.m_blocks = blocks_of(H, sm90_backward::kBlockM), up.n_blocks = blocks_of(N, sm90_backward::kBlockN);
     launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights_transposed>(
-        {dz_map, dz_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
+        {dz_map, dz_map, dz_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
   }
 
   Params down = base;  // grad_down_e [H, I] = grad_out_e^T wa_e
@@ -158,11 +170,11 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   down.out = p.b.grad_down, down.ld_out = I, down.out_expert_stride = H * I;
   const int64_t down_units = a.experts * down.m_blocks * down.n_blocks;
   if (sorted_copies)
-    launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>({gs_map, wa_map}, down,
-                                                                                            down_units, stream);
+    launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>({gs_map, wa_map, wa_map},
+                                                                                            down, down_units, stream);
   else
-    launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights>({wa_map, wa_map}, down,
-                                                                                           down_units, stream);
+    launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights>({wa_map, wa_map, wa_map},
+                                                                                           down, down_units, stream);
 
   launch_bias_gradients(p, stream);
 }

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "moekit/cuda/device_math.cuh"
+#include "moekit/cuda/sm90_wgmma.cuh"
 #include "moekit/gemm_epilogue.h"
 
 namespace moekit::cuda::hopper {
@@ -128,12 +129,6 @@ constexpr int fitting_stages() {
 // math's rows are staged"; 5 + math, "its buffer is free again". The last two join the warpgroup's 128
 // threads and the 96 copying threads (warps 1-3 of the producer warpgroup).
 constexpr int kCopyThreads = 96;
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 // One instantiation's compile-time shape, what every part of the kernel reads: T the activations' type (bf16/f16),
 // BN the tile's columns (weight rows), kStages the pipeline's depth, kCluster its blocks (1, or 2 sharing weight
 // tiles), kGatherA the gathering producer (sonicmoe), kFp8 e4m3 operands with block scales.

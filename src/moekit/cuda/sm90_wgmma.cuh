@@ -63,6 +63,15 @@ __device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float* acc, bool a
   Op::fma(a, b, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
+// Named barriers (id 0 is __syncthreads): `threads` of the block (a multiple of 32) meet at barrier `id`; arrive
+// passes without waiting.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Accumulator element i of a 64 x N wgmma tile held by lane `lane` of warp `warp` (of 4): row and column.
 __device__ __forceinline__ int acc_row(int warp, int lane, int i) {
   return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);

@@ -47,29 +47,29 @@ CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape&
     default:
       MOEKIT_FAIL("tensor map: bf16, f16, f8_e4m3 or f32 elements only, not ", dtype_name(dtype));
   }
-  const bool swizzled = dtype != DType::f32;
+  const bool swizzled = dtype != DType::f32 || s.swizzle_f32;
   const uint64_t element = dtype_size(dtype);
   MOEKIT_CHECK(s.rank >= 1 && s.rank <= 5, "tensor map: rank ", s.rank, " is outside 1..5");
   MOEKIT_CHECK((reinterpret_cast<uintptr_t>(base) & 15u) == 0, "tensor map: base address not 16-byte aligned");
   MOEKIT_CHECK(!swizzled || s.box[0] * element <= 128, "tensor map: inner box of ", s.box[0],
                " elements exceeds the 128-byte swizzle");
-  MOEKIT_CHECK(s.box[0] * element % 16 == 0, "tensor map: inner box of ", s.box[0], " elements is not a multiple of 16 bytes");
+  MOEKIT_CHECK(s.box[0] * element % 16 == 0, "tensor map: inner box of ", s.box[0],
+               " elements is not a multiple of 16 bytes");
   for (int d = 0; d < s.rank; ++d) {
-    MOEKIT_CHECK(s.sizes[d] >= 1 && s.box[d] >= 1 && s.box[d] <= 256, "tensor map: dimension ", d, " size ",
-                 s.sizes[d], " box ", s.box[d]);
+    MOEKIT_CHECK(s.sizes[d] >= 1 && s.box[d] >= 1 && s.box[d] <= 256, "tensor map: dimension ", d, " size ", s.sizes[d],
+                 " box ", s.box[d]);
     if (d > 0)
       MOEKIT_CHECK(s.strides[d - 1] % 16 == 0, "tensor map: stride of dimension ", d, " (", s.strides[d - 1],
                    " bytes) is not a multiple of 16");
   }
   std::array<cuuint32_t, 5> element_strides{1, 1, 1, 1, 1};
   CUtensorMap map{};
-  const CUresult r = encoder()(
-      &map, type, static_cast<cuuint32_t>(s.rank), const_cast<void*>(base), s.sizes.data(), s.strides.data(),
-      s.box.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
-      swizzled ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error ", static_cast<int>(r), ") for a rank ",
-               s.rank, " map with inner size ", s.sizes[0]);
+  const CUresult r = encoder()(&map, type, static_cast<cuuint32_t>(s.rank), const_cast<void*>(base), s.sizes.data(),
+                               s.strides.data(), s.box.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               swizzled ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOEKIT_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error ", static_cast<int>(r), ") for a rank ", s.rank,
+               " map with inner size ", s.sizes[0]);
   return map;
 }
 

@@ -24,10 +24,13 @@ struct TensorMapShape {
   std::array<uint64_t, 5> sizes{};
   std::array<uint64_t, 4> strides{};
   std::array<uint32_t, 5> box{};
+  // f32 elements with the 128-byte swizzle too (the backward's float z tiles, which ld.shared reads by rows of a
+  // warp's accumulator layout); by default f32 maps are unswizzled (the FP8 scales).
+  bool swizzle_f32 = false;
 };
 
 // Encodes the map for bf16, f16 or f8_e4m3 elements with the 128-byte swizzle (the box's inner extent
-// at most 128 bytes), or for f32 without swizzle (scales); reads past the edges of the tensor fill the
+// at most 128 bytes), or for f32 without swizzle unless shape.swizzle_f32; reads past the edges of the tensor fill the
 // box with zeros. Throws naming the violated constraint.
 CUtensorMap make_tensor_map(const void* base, DType dtype, const TensorMapShape& shape);
 
