@@ -254,10 +254,21 @@ __device__ __forceinline__ int z_stages_of(const Params& p, const Unit& w) {
   return static_cast<int>((min(int64_t{kBlockN}, p.a.intermediate - w.n0) + kZCols - 1) / kZCols);
 }
 
-// Float c (of kZCols) of row r of a z box, where the copy engine's 128-byte swizzle put it: the row's 16-byte piece
-// c / 4 at piece (c / 4) ^ (r % 8), so that the eight rows a warp reads at once fall on different banks.
-__device__ __forceinline__ const float* z_box_at(const uint8_t* box, int r, int c) {
-  return reinterpret_cast<const float*>(box + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4);
+// The shared address of float c (of kZCols) of row r of a z box at shared address `box`, where the copy engine's
+// 128-byte swizzle put it: the row's 16-byte piece c / 4 at piece (c / 4) ^ (r % 8), so that the eight rows a warp
+// reads at once fall on different banks. Read by ld.shared: through generic pointers the loads were generic ones.
+__device__ __forceinline__ uint32_t z_box_at(uint32_t box, int r, int c) {
+  return box + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4;
+}
+__device__ __forceinline__ float2 load_shared_float2(uint32_t at) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(at));
+  return v;
+}
+__device__ __forceinline__ float4 load_shared_float4(uint32_t at) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at));
+  return v;
 }
 
 // The down-projection gradient's epilogue: C = G = grad_out[t] @ down_e of the warpgroup's rows [row0, row0 + 64)
@@ -286,7 +297,7 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
   for (int s = 0; s < kBlockN / kZCols; ++s) {
     if (s >= z_stages) break;
     hopper::wait_stage(full_at + 8 * stage, phase, "backward z", -1, s, stage, -1, -1, 1 + math);
-    const uint8_t* zs = smem + stage * kStageBytes;
+    const uint32_t zs = cute::cast_smem_ptr_to_uint(smem + stage * kStageBytes);
     // Groups of four column pairs (eight accumulators, 16 columns).
 #pragma unroll
     for (int g16 = 0; g16 < kZCols / 16; ++g16) {
@@ -301,14 +312,14 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
         zg[2 * k] = zg[2 * k + 1] = zu[2 * k] = zu[2 * k + 1] = 0.0f;
         if (!ok[k]) continue;
         if (kSwiGlu || (a.has_gate && a.concatenated)) {
-          const float2 vg = *reinterpret_cast<const float2*>(z_box_at(zs, r, c));
-          const float2 vu = *reinterpret_cast<const float2*>(z_box_at(zs + kZBoxBytes, r, c));
+          const float2 vg = load_shared_float2(z_box_at(zs, r, c));
+          const float2 vu = load_shared_float2(z_box_at(zs + kZBoxBytes, r, c));
           zg[2 * k] = vg.x, zg[2 * k + 1] = vg.y, zu[2 * k] = vu.x, zu[2 * k + 1] = vu.y;
         } else if (!a.has_gate) {
-          const float2 v = *reinterpret_cast<const float2*>(z_box_at(zs, r, c));
+          const float2 v = load_shared_float2(z_box_at(zs, r, c));
           zg[2 * k] = v.x, zg[2 * k + 1] = v.y;
         } else {  // interleaved: (g, u) of columns c and c + 1 are floats 2c..2c + 3 of the stage's 64
-          const float4 v = *reinterpret_cast<const float4*>(z_box_at(zs + (c / 16) * kZBoxBytes, r, (2 * c) % 32));
+          const float4 v = load_shared_float4(z_box_at(zs + (c / 16) * kZBoxBytes, r, (2 * c) % 32));
           zg[2 * k] = v.x, zu[2 * k] = v.y, zg[2 * k + 1] = v.z, zu[2 * k + 1] = v.w;
         }
       }
