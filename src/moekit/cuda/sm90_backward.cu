@@ -72,25 +72,32 @@ int blocks_of(int64_t size, int64_t block) {
   return static_cast<int>((size + block - 1) / block);
 }
 
-// x and grad_out in the sorted order, into z's and dx's buffers (backward_typed): sorted row r is token
-// row_token[r] of each, for the offsets[E] rows that exist; a block a row, 16-byte pieces a thread (H a multiple of 8).
+// x and grad_out in the sorted order, into z's and dx's buffers (backward_typed): sorted row pair_row[t * K + k] is
+// token t of each, for the pairs with a row (not sentinels). A block a token, 16-byte pieces a thread (H a multiple of
+// 8): each token row is read once and written to its K rows. Walked by sorted row instead, every token row was read K
+// times, from DRAM mostly (x and grad_out do not stay in L2 between an expert's rows and the next's), and the copy ran
+// at the copy bandwidth with twice the bytes.
 __global__ void __launch_bounds__(256)
-    gather_sorted_rows_kernel(const uint4* x, const uint4* grad_out, const int32_t* row_token, const int32_t* rows,
-                              int64_t pieces, uint4* xs, uint4* gs) {
-  for (int64_t r = blockIdx.x, n = *rows; r < n; r += gridDim.x) {
-    const int64_t t = row_token[r];
+    gather_sorted_rows_kernel(const uint4* x, const uint4* grad_out, const int32_t* pair_row, int64_t tokens,
+                              int64_t top_k, int64_t pieces, uint4* xs, uint4* gs) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     for (int64_t i = threadIdx.x; i < pieces; i += blockDim.x) {
-      xs[r * pieces + i] = __ldg(x + t * pieces + i);
-      gs[r * pieces + i] = __ldg(grad_out + t * pieces + i);
+      const uint4 vx = __ldg(x + t * pieces + i), vg = __ldg(grad_out + t * pieces + i);
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t r = pair_row[t * top_k + k];
+        if (r < 0) continue;
+        xs[r * pieces + i] = vx;
+        gs[r * pieces + i] = vg;
+      }
     }
   }
 }
 
 void gather_sorted_rows(const ExpertsArgs& a, const BackwardProblem& p, cudaStream_t stream) {
-  const int64_t P = a.tokens * a.top_k, pieces = a.hidden * static_cast<int64_t>(dtype_size(a.dtype)) / 16;
-  gather_sorted_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(P, 65535)), 256, 0, stream>>>(
-      static_cast<const uint4*>(a.x), static_cast<const uint4*>(p.b.grad_out), p.row_token, p.r.offsets + a.experts,
-      pieces, static_cast<uint4*>(static_cast<void*>(p.z)), static_cast<uint4*>(p.dx));
+  const int64_t pieces = a.hidden * static_cast<int64_t>(dtype_size(a.dtype)) / 16;
+  gather_sorted_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(a.tokens, 65535)), 256, 0, stream>>>(
+      static_cast<const uint4*>(a.x), static_cast<const uint4*>(p.b.grad_out), p.r.pair_row, a.tokens, a.top_k, pieces,
+      static_cast<uint4*>(static_cast<void*>(p.z)), static_cast<uint4*>(p.dx));
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
