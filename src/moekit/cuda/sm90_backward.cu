@@ -52,19 +52,20 @@ CUtensorMap z_map(const float* z, int64_t n, int64_t rows) {
   return make_tensor_map(z, DType::f32, s);
 }
 
-// The A, B and z maps of a launch; a gathered operand, which the kernel never reads by map, and z outside G get
-// any valid one.
+// The A, B and third maps of a launch (the kernel's c_map: G's z, a staged weight gradient's output); a gathered
+// operand, which the kernel never reads by map, and an unused third map get any valid one.
 struct Maps {
-  CUtensorMap a, b, z;
+  CUtensorMap a, b, c;
 };
 
 template <typename T, Major kA, Major kB, bool kGatherA, bool kGatherB, Grouping kGroup, Epilogue kEpi>
 void launch(const Maps& maps, const Params& p, int64_t max_units, cudaStream_t stream) {
   if (max_units <= 0) return;
   auto* kernel = sm90_backward::backward_gemm_kernel<T, kA, kB, kGatherA, kGatherB, kGroup, kEpi>;
-  allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), sm90_backward::kSmemBytes);
+  constexpr std::size_t smem = sm90_backward::kSmemBytesOf<kEpi>;
+  allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), smem);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(max_units, multiprocessor_count()));
-  kernel<<<blocks, sm90_backward::kThreads, sm90_backward::kSmemBytes, stream>>>(maps.a, maps.b, maps.z, p);
+  kernel<<<blocks, sm90_backward::kThreads, smem, stream>>>(maps.a, maps.b, maps.c, p);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
@@ -146,6 +147,9 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   // copied there once, so that both gradients read every operand by the copy engine; otherwise they gather the
   // token rows by cp.async.
   const bool sorted_copies = H <= 2 * N && P > 0;
+  // The weight gradients' outputs [E][m][n], for the copy engine's stores (store_weights).
+  const CUtensorMap grad_up_map = chunk_map(p.b.grad_up, t, H, N, E),
+                    grad_down_map = chunk_map(p.b.grad_down, t, I, H, E);
   const void* xs = p.z;
   const void* gs = p.dx;
   if (sorted_copies) gather_sorted_rows(a, p, stream);
@@ -159,7 +163,7 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
     up.m = N, up.n = H, up.ld_out = H;
     up.m_blocks = blocks_of(N, sm90_backward::kBlockM), up.n_blocks = blocks_of(H, sm90_backward::kBlockN);
     launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>(
-        {dz_map, xs_map, xs_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
+        {dz_map, xs_map, grad_up_map}, up, a.experts * up.m_blocks * up.n_blocks, stream);
   } else {  // grad_up_e^T [H, N] = x_e^T dz_e, stored transposed: the gathered x is A, the 2-chunk operand
     up.A = Operand{a.x, H, 0, p.row_token, H};
     up.B = Operand{p.dz, N, 0, nullptr, N};
@@ -177,11 +181,11 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   down.out = p.b.grad_down, down.ld_out = I, down.out_expert_stride = H * I;
   const int64_t down_units = a.experts * down.m_blocks * down.n_blocks;
   if (sorted_copies)
-    launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>({gs_map, wa_map, wa_map},
-                                                                                            down, down_units, stream);
+    launch<T, Major::mn, Major::mn, false, false, Grouping::depth, Epilogue::store_weights>(
+        {gs_map, wa_map, grad_down_map}, down, down_units, stream);
   else
-    launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights>({wa_map, wa_map, wa_map},
-                                                                                           down, down_units, stream);
+    launch<T, Major::mn, Major::mn, true, false, Grouping::depth, Epilogue::store_weights>(
+        {wa_map, wa_map, grad_down_map}, down, down_units, stream);
 
   launch_bias_gradients(p, stream);
 }
