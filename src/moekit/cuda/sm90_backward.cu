@@ -137,8 +137,8 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   dx.B = Operand{a.up, H, N * H, nullptr, H};
   dx.n = H, dx.k = N, dx.n_blocks = blocks_of(H, sm90_backward::kBlockN);
   dx.out = p.dx, dx.ld_out = H;
-  launch<T, Major::k, Major::mn, false, false, Grouping::rows, Epilogue::store_rows>({dz_map, up_map, up_map}, dx,
-                                                                                     max_tiles * dx.n_blocks, stream);
+  launch<T, Major::k, Major::mn, false, false, Grouping::rows, Epilogue::store_rows>(
+      {dz_map, up_map, chunk_map(p.dx, t, H, rows, 1)}, dx, max_tiles * dx.n_blocks, stream);
 
   finish_token_gradients(p, stream);
 
