@@ -74,13 +74,13 @@ enum class Epilogue : uint8_t {
 constexpr int kStagedBoxBytes = kChunkRows * 128;                            // [64 rows][64 2-byte values]
 constexpr int kStagedGroupBytes = (kBlockN / kChunkRows) * kStagedBoxBytes;  // one warpgroup's 64 x 256
 template <Epilogue kEpi>
-constexpr bool kStagedWeights = kEpi == Epilogue::store_weights || kEpi == Epilogue::store_rows;
+constexpr bool kStagedStore = kEpi == Epilogue::store_weights || kEpi == Epilogue::store_rows;
 template <Epilogue kEpi>
-constexpr int kStagesOf = kStagedWeights<kEpi> ? 3 : 4;
+constexpr int kStagesOf = kStagedStore<kEpi> ? 3 : 4;
 // Dynamic shared memory of a launch: the ring, the staging buffers, the barriers, and the alignment slack.
 template <Epilogue kEpi>
 constexpr std::size_t kSmemBytesOf = kStagesOf<kEpi>*(kStageBytes + 16) +
-                                     (kStagedWeights<kEpi> ? 2 * kStagedGroupBytes : 0) + 1024;
+                                     (kStagedStore<kEpi> ? 2 * kStagedGroupBytes : 0) + 1024;
 static_assert(kSmemBytesOf<Epilogue::store_weights> <= 227 * 1024 && kSmemBytesOf<Epilogue::store_rows> <= 227 * 1024);
 
 // Where an operand's 128-byte rows are: row i of its row space at base + row(i) * ld (+ the expert's offset with
@@ -375,7 +375,7 @@ __device__ __forceinline__ void activation_gradient_epilogue(const Params& p, co
   }
 }
 
-// The staged epilogue (kStagedWeights): warpgroup `math`'s 64 rows of C as rows first_row.., columns n0.. of matrix
+// The staged epilogue (kStagedStore): warpgroup `math`'s 64 rows of C as rows first_row.., columns n0.. of matrix
 // `matrix` of out_map ([matrices][rows][columns] in 64 x 64 boxes, which drop what falls past its rows or columns),
 // through its staging buffer and the copy engine. `pending`: the warpgroup's previous copy may still be reading it.
 template <typename T>
@@ -430,8 +430,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The 128-byte swizzle needs its stages 1 KB aligned.
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   constexpr int kStages = kStagesOf<kEpi>;
-  uint8_t* staging = smem + kStages * kStageBytes;  // kStagedWeights: the math warpgroups' buffers
-  auto* full = reinterpret_cast<uint64_t*>(staging + (kStagedWeights<kEpi> ? 2 * kStagedGroupBytes : 0));
+  uint8_t* staging = smem + kStages * kStageBytes;  // kStagedStore: the math warpgroups' buffers
+  auto* full = reinterpret_cast<uint64_t*>(staging + (kStagedStore<kEpi> ? 2 * kStagedGroupBytes : 0));
   uint64_t* empty = full + kStages;
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -451,8 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       if constexpr (!kGatherA) cute::prefetch_tma_descriptor(&a_map);
       if constexpr (!kGatherB) cute::prefetch_tma_descriptor(&b_map);
-      if constexpr (kEpi == Epilogue::activation_gradient || kStagedWeights<kEpi>)
-        cute::prefetch_tma_descriptor(&c_map);
+      if constexpr (kEpi == Epilogue::activation_gradient || kStagedStore<kEpi>) cute::prefetch_tma_descriptor(&c_map);
     }
     constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
     constexpr int kAChunks = kBlockM / kChunkRows, kBChunks = kBlockN / kChunkRows;
@@ -571,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     int64_t hint = 0;
-    bool pending = false;  // kStagedWeights: a copy out of this warpgroup's staging buffer may be running
+    bool pending = false;  // kStagedStore: a copy out of this warpgroup's staging buffer may be running
     for (int64_t u = blockIdx.x, units = unit_count<kGroup>(p); u < units; u += gridDim.x) {
       const Unit w = unit_of<kGroup>(p, u, hint);
       const int64_t blocks = k_blocks_of(w);
@@ -637,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    if constexpr (kStagedWeights<kEpi>)
+    if constexpr (kStagedStore<kEpi>)
       if (pending && leader) cute::tma_store_wait<0>();  // the block's shared memory outlives the last copy's reads
   }
 #else
