@@ -137,7 +137,6 @@ constexpr uint32_t kK16Step = kMajor == Major::k ? 2 : (16 * 128) >> 4;
 
 using hopper::acc_col;
 using hopper::acc_row;
-using hopper::swizzle128;
 using hopper::wgmma;
 
 // One chunk of a stage (64 rows of 128 bytes) by cp.async, from the producer warpgroup: thread t copies 16-byte piece
@@ -154,7 +153,7 @@ __device__ __forceinline__ void copy_chunk(uint8_t* chunk, const Operand& o, con
   for (int j = 0; j < 4; ++j) {
     const int r = t / 8 + 16 * j;
     const bool ok = col_ok && src_row[j] >= 0;
-    cp_async16(chunk + swizzle128(r, piece), ok ? base + int64_t{src_row[j]} * o.ld + col : base, ok);
+    cp_async16(chunk + r * 128 + ((piece ^ (r & 7)) * 16), ok ? base + int64_t{src_row[j]} * o.ld + col : base, ok);
   }
 }
 
@@ -277,7 +276,7 @@ __device__ __forceinline__ int z_stages_of(const Params& p, const Unit& w) {
 // 128-byte swizzle put it: the row's 16-byte piece c / 4 at piece (c / 4) ^ (r % 8), so that the eight rows a warp
 // reads at once fall on different banks. Read by ld.shared: through generic pointers the loads were generic ones.
 __device__ __forceinline__ uint32_t z_box_at(uint32_t box, int r, int c) {
-  return box + swizzle128(r, c >> 2, (c & 3) * 4);
+  return box + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4;
 }
 __device__ __forceinline__ float2 load_shared_float2(uint32_t at) {
   float2 v;
@@ -389,9 +388,9 @@ __device__ __forceinline__ void store_staged(const float* acc, uint8_t* staging,
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; i += 2) {
     const int row = acc_row(warp, lane, i), col = acc_col(lane, i);
-    // Box col / 64, and in it the swizzled place of the row's value col % 64.
-    const uint32_t at = cute::cast_smem_ptr_to_uint(staging) + (col / 64) * kStagedBoxBytes +
-                        swizzle128(row, (col % 64) / 8, (col % 8) * 2);
+    // Box col / 64; in it, the row's 16-byte piece (col % 64) / 8 at piece ^ (row % 8), as the swizzle lays it out.
+    const uint32_t at = cute::cast_smem_ptr_to_uint(staging) + (col / 64) * kStagedBoxBytes + row * 128 +
+                        ((((col % 64) / 8) ^ (row & 7)) << 4) + (col % 8) * 2;
     const uint32_t v = static_cast<uint32_t>(from_f<T>(acc[i]).bits) | static_cast<uint32_t>(from_f<T>(acc[i + 1]).bits)
                                                                            << 16;
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");

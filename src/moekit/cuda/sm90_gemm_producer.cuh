@@ -65,9 +65,9 @@ __device__ __forceinline__ void load_stages(const CUtensorMap& a_map, const CUte
         const T* x = static_cast<const T*>(p.a.x);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const int r = first_row + 16 * i;
+          const int r = first_row + 16 * i;  // r % 8 == first_row % 8: the 128-byte swizzle's row phase
           const bool ok = token[i] >= 0 && col < p.a.hidden;
-          cp_async16(sa + swizzle128(r, chunk), ok ? x + token[i] * p.a.hidden + col : x, ok);
+          cp_async16(sa + r * 128 + ((chunk ^ (first_row & 7)) * 16), ok ? x + token[i] * p.a.hidden + col : x, ok);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
       }

@@ -72,15 +72,6 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// The offset of byte `byte` (< 16) of 16-byte piece `piece` (< 8) of row `row` in a 128-byte-swizzled buffer, the
-// layout the copy engine's SWIZZLE_128B writes and wgmma's descriptors read: the piece sits at piece ^ (row % 8), so
-// the same piece of eight consecutive rows falls on eight different banks.
-__host__ __device__ constexpr uint32_t swizzle128(int row, int piece, int byte = 0) {
-  return static_cast<uint32_t>(row * 128 + ((piece ^ (row & 7)) << 4) + byte);
-}
-static_assert(swizzle128(0, 1, 1) == 17 && swizzle128(1, 0) == 128 + 16 &&
-              swizzle128(9, 7, 15) == 9 * 128 + 6 * 16 + 15);
-
 // Accumulator element i of a 64 x N wgmma tile held by lane `lane` of warp `warp` (of 4): row and column.
 __device__ __forceinline__ int acc_row(int warp, int lane, int i) {
   return warp * 16 + lane / 4 + 8 * ((i >> 1) & 1);
