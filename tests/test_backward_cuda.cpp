@@ -35,11 +35,9 @@ void expect_matches(const char* name, const Tensor& got, const std::vector<doubl
 
 class BackwardCudaGraph : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
-  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
-  const std::string backend = GetParam();
-  if (const Support s = ExpertsInterface::global().get(backend).supports_device(Device::cuda()); !s)
-    GTEST_SKIP() << backend << " does not run on this GPU: " << s.reason;
+// The capture and its replays; keep: the whole training step, experts_forward_saving and then the backward from the
+// activations it kept (checked against the reference forward too), in one graph.
+void replay_backward_graph(const std::string& backend, bool keep) {
   RandomProblemOptions o;
   o.tokens = 48;
   o.hidden = 256;
@@ -53,12 +51,18 @@ TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
   ExpertsProblem captured = test::problem_on(first, Device::cuda());
   Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
   ExpertsGradients grads = test::poisoned_gradients(captured, Device::cuda());
-  Tensor workspace = device_workspace(ExpertsInterface::global().get(backend).backward_workspace_bytes(captured));
+  ExpertsBackend& b = ExpertsInterface::global().get(backend);
+  Tensor workspace = device_workspace(b.backward_workspace_bytes(captured));
+  Tensor forward_workspace = device_workspace(b.saving_workspace_bytes(captured));
+  Tensor out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
+  Tensor saved = device_workspace(b.saved_activation_bytes(captured));
   DeviceStream stream(Device::cuda());
   synchronize(Device::cuda());
 
-  CapturedGraph graph(stream,
-                      [&] { experts_backward(captured, grad_out, backend, grads, stream.stream(), workspace); });
+  CapturedGraph graph(stream, [&] {
+    if (keep) experts_forward_saving(captured, backend, out, saved, stream.stream(), forward_workspace);
+    experts_backward(captured, grad_out, backend, grads, stream.stream(), workspace, keep ? saved : Tensor());
+  });
 
   for (uint64_t round = 0; round < 3; ++round) {
     RandomProblemOptions next = o;
@@ -86,7 +90,13 @@ TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
     graph.replay();
     stream.synchronize();
     const ReferenceGradients ref = experts_reference_backward(fresh, fresh_grad_out);
-    const std::string where = backend + " replay " + std::to_string(round);
+    const std::string where =
+        backend + (keep ? " (forward keeping activations, then backward)" : "") + " replay " + std::to_string(round);
+    if (keep) {
+      const test::Comparison c =
+          test::compare_with_reference(out.to(Device::cpu()), experts_reference(fresh), test::tolerance_for(o.dtype));
+      EXPECT_TRUE(c.passed()) << "out: " << c.summary() << "\n  " << where;
+    }
     expect_matches("grad_hidden_states", grads.hidden_states, ref.hidden_states, o.dtype, where);
     expect_matches("grad_top_k_weights", grads.top_k_weights, ref.top_k_weights, o.dtype, where);
     expect_matches("grad_gate_up_proj", grads.gate_up_proj, ref.gate_up_proj, o.dtype, where);
@@ -94,6 +104,24 @@ TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
     expect_matches("grad_gate_up_proj_bias", grads.gate_up_proj_bias, ref.gate_up_proj_bias, o.dtype, where);
     expect_matches("grad_down_proj_bias", grads.down_proj_bias, ref.down_proj_bias, o.dtype, where);
   }
+}
+
+TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
+  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
+  const std::string backend = GetParam();
+  if (const Support s = ExpertsInterface::global().get(backend).supports_device(Device::cuda()); !s)
+    GTEST_SKIP() << backend << " does not run on this GPU: " << s.reason;
+  replay_backward_graph(backend, false);
+}
+
+// A training step in one graph: the forward that keeps activations for the backward, and the backward that reads them.
+// Backends that keep nothing run their usual forward and backward here.
+TEST_P(BackwardCudaGraph, TrainingStepWithKeptActivationsReplays) {
+  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
+  const std::string backend = GetParam();
+  if (const Support s = ExpertsInterface::global().get(backend).supports_device(Device::cuda()); !s)
+    GTEST_SKIP() << backend << " does not run on this GPU: " << s.reason;
+  replay_backward_graph(backend, true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackwardCudaGraph,

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -210,6 +211,28 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return x.nbytes() == y.nbytes() && std::memcmp(x.data(), y.data(), x.nbytes()) == 0;
 }
 
+// Every gradient of grads against the reference's, at the case's tolerance.
+void expect_gradients_match(const ExpertsGradients& grads, const ReferenceGradients& ref, const test::Tolerance& tol,
+                            bool has_bias, const std::string& where) {
+  struct Named {
+    const char* name;
+    const Tensor* got;
+    const std::vector<double>* want;
+  };
+  std::vector<Named> all = {{"grad_hidden_states", &grads.hidden_states, &ref.hidden_states},
+                            {"grad_top_k_weights", &grads.top_k_weights, &ref.top_k_weights},
+                            {"grad_gate_up_proj", &grads.gate_up_proj, &ref.gate_up_proj},
+                            {"grad_down_proj", &grads.down_proj, &ref.down_proj}};
+  if (has_bias) {
+    all.push_back({"grad_gate_up_proj_bias", &grads.gate_up_proj_bias, &ref.gate_up_proj_bias});
+    all.push_back({"grad_down_proj_bias", &grads.down_proj_bias, &ref.down_proj_bias});
+  }
+  for (const Named& n : all) {
+    const test::Comparison c = test::compare_gradient_with_reference(*n.got, *n.want, tol);
+    EXPECT_TRUE(c.passed()) << n.name << ": " << c.summary() << "\n  " << where;
+  }
+}
+
 class ExpertsBackwardHarness : public ::testing::TestWithParam<BackwardParam> {};
 
 TEST_P(ExpertsBackwardHarness, MatchesReference) {
@@ -238,23 +261,7 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
   }
   synchronize(p.device);
   const test::Tolerance tol = test::tolerance_of(p.c);
-  struct Named {
-    const char* name;
-    const Tensor* got;
-    const std::vector<double>* want;
-  };
-  std::vector<Named> all = {{"grad_hidden_states", &grads.hidden_states, &ref.hidden_states},
-                            {"grad_top_k_weights", &grads.top_k_weights, &ref.top_k_weights},
-                            {"grad_gate_up_proj", &grads.gate_up_proj, &ref.gate_up_proj},
-                            {"grad_down_proj", &grads.down_proj, &ref.down_proj}};
-  if (p.c.options.config.has_bias) {
-    all.push_back({"grad_gate_up_proj_bias", &grads.gate_up_proj_bias, &ref.gate_up_proj_bias});
-    all.push_back({"grad_down_proj_bias", &grads.down_proj_bias, &ref.down_proj_bias});
-  }
-  for (const Named& n : all) {
-    const test::Comparison c = test::compare_gradient_with_reference(*n.got, *n.want, tol);
-    EXPECT_TRUE(c.passed()) << n.name << ": " << c.summary() << "\n  " << where;
-  }
+  expect_gradients_match(grads, ref, tol, p.c.options.config.has_bias, where);
 
   // Sentinel slots have no routing-weight gradient and all-sentinel tokens no hidden-state gradient:
   // exactly zero, not merely small.
@@ -279,6 +286,34 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
   EXPECT_TRUE(bitwise_equal(grads.down_proj, again.down_proj)) << "grad_down_proj differs";
   EXPECT_TRUE(bitwise_equal(grads.gate_up_proj_bias, again.gate_up_proj_bias)) << "grad_gate_up_proj_bias differs";
   EXPECT_TRUE(bitwise_equal(grads.down_proj_bias, again.down_proj_bias)) << "grad_down_proj_bias differs";
+
+  // A backend that keeps activations from the forward: the forward that keeps them still matches the reference, and
+  // the backward that reads them matches it too, run to run bitwise.
+  if (backend.saved_activation_bytes(problem) == 0) return;
+  TrainingForward kept;
+  try {
+    kept = experts_forward_saving(problem, p.backend);
+  } catch (const std::exception& e) {
+    FAIL() << "experts_forward_saving threw: " << e.what() << "\n  " << where;
+  }
+  synchronize(p.device);
+  EXPECT_GE(kept.saved.nbytes(), backend.saved_activation_bytes(problem));
+  const test::Comparison out =
+      test::compare_with_reference(kept.out.to(Device::cpu()), experts_reference(host_problem), tol);
+  EXPECT_TRUE(out.passed()) << "out of the forward that keeps activations: " << out.summary() << "\n  " << where;
+  const ExpertsGradients from_saved = experts_backward(
+      problem, grad_out, p.backend, test::poisoned_gradients(problem, p.device), Stream(), Tensor(), kept.saved);
+  const ExpertsGradients from_saved_again = experts_backward(
+      problem, grad_out, p.backend, test::poisoned_gradients(problem, p.device), Stream(), Tensor(), kept.saved);
+  synchronize(p.device);
+  expect_gradients_match(from_saved, ref, tol, p.c.options.config.has_bias, where + ", from the kept activations");
+  EXPECT_TRUE(bitwise_equal(from_saved.hidden_states, from_saved_again.hidden_states) &&
+              bitwise_equal(from_saved.top_k_weights, from_saved_again.top_k_weights) &&
+              bitwise_equal(from_saved.gate_up_proj, from_saved_again.gate_up_proj) &&
+              bitwise_equal(from_saved.down_proj, from_saved_again.down_proj) &&
+              bitwise_equal(from_saved.gate_up_proj_bias, from_saved_again.gate_up_proj_bias) &&
+              bitwise_equal(from_saved.down_proj_bias, from_saved_again.down_proj_bias))
+      << "the backward from kept activations differs run to run\n  " << where;
 }
 
 // The unquantised cases (FP8 / FP4 training is out of scope; BackwardRefusals checks that they are refused)
@@ -386,6 +421,102 @@ TEST(BackwardArguments, UnknownBackendListsTheValidOnes) {
         experts_backward(p, Tensor::empty({4, 16}, DType::f32), "nope");
       },
       {"unknown experts backend 'nope'", "grouped_mm"}));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Activations kept from the forward (experts_forward_saving -> experts_backward(..., saved))
+
+TEST(SavedActivations, BackendsThatKeepNothingRunTheirUsualForwardAndBackward) {
+  const ExpertsProblem p = small_problem(DType::f32, true);
+  Tensor g = Tensor::empty({4, 16}, DType::f32);
+  fill_uniform(g, 1.0f, 4);
+  for (const char* backend : {"eager", "batched_mm", "grouped_mm"}) {
+    EXPECT_EQ(ExpertsInterface::global().get(backend).saved_activation_bytes(p), 0u) << backend;
+    const TrainingForward kept = experts_forward_saving(p, backend);
+    EXPECT_EQ(kept.saved.nbytes(), 0u) << backend;
+    EXPECT_TRUE(bitwise_equal(kept.out, experts_forward(p, backend))) << backend;
+    const ExpertsGradients recomputed = experts_backward(p, g, backend);
+    const ExpertsGradients with_saved = experts_backward(p, g, backend, {}, Stream(), Tensor(), kept.saved);
+    EXPECT_TRUE(bitwise_equal(recomputed.hidden_states, with_saved.hidden_states) &&
+                bitwise_equal(recomputed.top_k_weights, with_saved.top_k_weights) &&
+                bitwise_equal(recomputed.gate_up_proj, with_saved.gate_up_proj) &&
+                bitwise_equal(recomputed.down_proj, with_saved.down_proj))
+        << backend;
+  }
+}
+
+// A user backend that keeps kSavedBytes from its forward: records which of its entry points ran and what they saw.
+class KeepingBackend final : public ExpertsBackend {
+ public:
+  static constexpr std::string_view kName = "test_keeping";
+  static constexpr std::size_t kSavedBytes = 64;
+  std::string_view name() const override { return kName; }
+  std::string_view description() const override { return "keeps 64 bytes from its forward, registered by the tests"; }
+  Support supports_device(Device device) const override {
+    return device.is_cpu() ? Support::yes() : Support::no("CPU only");
+  }
+  Support supports(const ExpertsProblem&) const override { return Support::yes(); }
+  std::size_t workspace_bytes(const ExpertsProblem&) const override { return 0; }
+  void forward(const ExpertsProblem&, Tensor& out, void*, Stream) override {
+    ++forward_calls;
+    std::memset(out.data(), 0, out.nbytes());
+  }
+  Support supports_backward(const ExpertsProblem&) const override { return Support::yes(); }
+  void backward(const ExpertsProblem&, const Tensor&, ExpertsGradients&, void*, Stream) override { ++backward_calls; }
+  std::size_t saved_activation_bytes(const ExpertsProblem&) const override { return kSavedBytes; }
+  void forward_saving(const ExpertsProblem& p, Tensor& out, void* saved, void* workspace, Stream s) override {
+    forward(p, out, workspace, s);
+    std::memset(saved, 0x5a, kSavedBytes);
+  }
+  void backward_saved(const ExpertsProblem&, const Tensor&, const void* saved, ExpertsGradients&, void*,
+                      Stream) override {
+    ++backward_saved_calls;
+    last_saved_byte = *static_cast<const unsigned char*>(saved);
+  }
+  int forward_calls = 0, backward_calls = 0, backward_saved_calls = 0;
+  unsigned last_saved_byte = 0;
+};
+
+KeepingBackend& registered_keeping_backend() {
+  static KeepingBackend* backend = [] {
+    auto b = std::make_shared<KeepingBackend>();
+    ExpertsInterface::global().register_backend(b);
+    return b.get();
+  }();
+  return *backend;
+}
+
+TEST(SavedActivations, KeptBytesReachTheBackwardThatReadsThem) {
+  KeepingBackend& b = registered_keeping_backend();
+  const std::string name(KeepingBackend::kName);
+  const ExpertsProblem p = small_problem();
+  const Tensor g = Tensor::empty({4, 16}, DType::f32);
+  const TrainingForward kept = experts_forward_saving(p, name);
+  ASSERT_EQ(kept.saved.nbytes(), KeepingBackend::kSavedBytes);
+  EXPECT_EQ(kept.saved.data_as<uint8_t>()[63], 0x5a);
+  const int saved_before = b.backward_saved_calls, plain_before = b.backward_calls;
+  experts_backward(p, g, name, {}, Stream(), Tensor(), kept.saved);
+  EXPECT_EQ(b.backward_saved_calls, saved_before + 1);
+  EXPECT_EQ(b.last_saved_byte, 0x5au);
+  experts_backward(p, g, name);  // nothing given: the backward that recomputes
+  EXPECT_EQ(b.backward_calls, plain_before + 1);
+  EXPECT_EQ(b.backward_saved_calls, saved_before + 1);
+
+  // A caller's buffer is written in place; one too small, in the forward or the backward, is named.
+  Tensor mine = Tensor::empty({80}, DType::u8);
+  EXPECT_EQ(experts_forward_saving(p, name, Tensor(), mine).saved.data(), mine.data());
+  const Tensor small = Tensor::empty({32}, DType::u8);
+  EXPECT_TRUE(test::throws_error_with([&] { experts_forward_saving(p, name, Tensor(), small); },
+                                      {"saved activations", "at least 64 bytes"}));
+  EXPECT_TRUE(test::throws_error_with([&] { experts_backward(p, g, name, {}, Stream(), Tensor(), small); },
+                                      {"saved activations", "at least 64 bytes", "experts_forward_saving"}));
+}
+
+TEST(SavedActivations, AForwardForABackwardThatCannotRunIsRefused) {
+  const ExpertsProblem p = small_problem();
+  test::registered_reference_backend();  // forward only
+  EXPECT_TRUE(test::throws_error_with([&] { experts_forward_saving(p, std::string(test::ReferenceBackend::kName)); },
+                                      {"cannot run the backward", "has no backward pass"}));
 }
 
 TEST(BackwardFlops, TwiceTheForward) {

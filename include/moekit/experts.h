@@ -139,14 +139,24 @@ class ExpertsBackend {
   virtual std::string kernel_path(const ExpertsProblem& problem) const;
 
   // The backward: supports_backward(problem) -> backward_workspace_bytes(problem) -> backward(...).
-  // Nothing is saved by the forward: a backward reads the problem's inputs again (and recomputes what
-  // it needs of the forward). The defaults refuse: a backend without a backward says so.
+  // backward() reads the problem's inputs again and recomputes what it needs of the forward. The defaults
+  // refuse: a backend without a backward says so.
   virtual Support supports_backward(const ExpertsProblem& problem) const;
   virtual std::size_t backward_workspace_bytes(const ExpertsProblem& problem) const;
   // grad_out [T, H] (dtype of hidden_states, contiguous); writes every tensor of grads (all allocated,
   // contiguous, in their inputs' dtypes and shapes; the bias gradients only with has_bias).
   virtual void backward(const ExpertsProblem& problem, const Tensor& grad_out, ExpertsGradients& grads, void* workspace,
                         Stream stream);
+
+  // Activations kept from the forward for the backward, a choice per backend (DESIGN §2b): a training step may run
+  // forward_saving, which also writes saved_activation_bytes(problem) bytes to `saved` (on the problem's device, in a
+  // workspace of saving_workspace_bytes), and then backward_saved with the same problem, inputs and saved bytes,
+  // which reads them in place of recomputing. The defaults keep nothing (0 bytes) and run forward() and backward().
+  virtual std::size_t saved_activation_bytes(const ExpertsProblem& problem) const;
+  virtual std::size_t saving_workspace_bytes(const ExpertsProblem& problem) const;
+  virtual void forward_saving(const ExpertsProblem& problem, Tensor& out, void* saved, void* workspace, Stream stream);
+  virtual void backward_saved(const ExpertsProblem& problem, const Tensor& grad_out, const void* saved,
+                              ExpertsGradients& grads, void* workspace, Stream stream);
 };
 
 // The registry of backends by name. The built-in backends are registered on first use; users add
@@ -185,8 +195,23 @@ std::string experts_kernel_path(const ExpertsProblem& problem, std::string_view 
 // gradient left undefined in grads is allocated; a defined one must have its input's shape and dtype, be
 // contiguous and on the problem's device. Pass a workspace of at least backward_workspace_bytes(problem)
 // bytes to run with no allocation (CUDA graph capture).
+// saved: what experts_forward_saving kept for this problem with this backend (TrainingForward::saved), read in place
+// of recomputing it; undefined (or empty, where the backend keeps nothing): the backward recomputes.
 ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& grad_out,
                                   std::string_view backend = "grouped_mm", ExpertsGradients grads = ExpertsGradients(),
-                                  Stream stream = Stream(), Tensor workspace = Tensor());
+                                  Stream stream = Stream(), Tensor workspace = Tensor(), Tensor saved = Tensor());
+
+// The forward of a training step: out, and what the backend keeps for its backward (ExpertsBackend::forward_saving).
+struct TrainingForward {
+  Tensor out;    // [T, H]
+  Tensor saved;  // u8 [saved_activation_bytes(problem)] on the problem's device; empty where the backend keeps nothing
+};
+// experts_forward that also keeps the backend's saved activations, for experts_backward(..., saved). A defined
+// `saved` must be a contiguous tensor of at least saved_activation_bytes(problem) bytes on the problem's device, and
+// a defined workspace of at least saving_workspace_bytes(problem); undefined ones are allocated for the call. Also
+// asks supports_backward: a forward kept for a backward the backend cannot run is refused up front.
+TrainingForward experts_forward_saving(const ExpertsProblem& problem, std::string_view backend = "grouped_mm",
+                                       Tensor out = Tensor(), Tensor saved = Tensor(), Stream stream = Stream(),
+                                       Tensor workspace = Tensor());
 
 }  // namespace moekit

@@ -59,6 +59,7 @@ struct BenchOptions {
   double max_memory_gb = 0;
   bool graphs = false;
   bool backward = false;
+  bool recompute = false;
 };
 
 // Adaptive repeats: this many runs make a stable median for fast cases...
@@ -603,14 +604,20 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
   row.kernel = backend.kernel_path(problem);
   row.workspace_bytes = backend.workspace_bytes(problem);
   const std::size_t backward_workspace = o_.backward ? backend.backward_workspace_bytes(problem) : 0;
+  // --backward: the forward keeps what the backend saves for its backward (none: it recomputes), unless --recompute.
+  const std::size_t saved_bytes = o_.backward && !o_.recompute ? backend.saved_activation_bytes(problem) : 0;
+  if (saved_bytes > 0) {
+    row.workspace_bytes = backend.saving_workspace_bytes(problem);
+    row.kernel += "; backward from the forward's kept activations (" + gb(static_cast<double>(saved_bytes)) + ")";
+  }
   auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<double>(t.nbytes()) : 0.0; };
   const double out_bytes = static_cast<double>(row.tokens * problem.hidden_states.size(1)) * dtype_size(dtype_);
   const double gradient_bytes = o_.backward ? out_bytes * 2 + bytes(problem.top_k_weights) +
                                                   bytes(problem.gate_up_proj) + bytes(problem.down_proj) +
                                                   bytes(problem.gate_up_proj_bias) + bytes(problem.down_proj_bias)
                                             : 0.0;  // grad_out and the gradients
-  row.call_memory_bytes =
-      out_bytes + static_cast<double>(row.workspace_bytes) + static_cast<double>(backward_workspace) + gradient_bytes;
+  row.call_memory_bytes = out_bytes + static_cast<double>(row.workspace_bytes) +
+                          static_cast<double>(backward_workspace) + static_cast<double>(saved_bytes) + gradient_bytes;
   const double total = resident_bytes + row.call_memory_bytes;
   if (total > budget_bytes_) {
     row.status = RowStatus::skipped;
@@ -629,7 +636,7 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
     Tensor workspace =
         Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(row.workspace_bytes, 1))}, DType::u8, device_);
     // With --backward, grad_out, the gradients and the backward's workspace too, allocated once.
-    Tensor grad_out, backward_workspace_tensor;
+    Tensor grad_out, backward_workspace_tensor, saved;
     ExpertsGradients grads;
     if (o_.backward) {
       grad_out = Tensor::empty(out.shape(), DType::f32);
@@ -638,10 +645,15 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
       grads = experts_backward(problem, grad_out, name, ExpertsGradients(), stream_->stream());  // allocates them
       backward_workspace_tensor =
           Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(backward_workspace, 1))}, DType::u8, device_);
+      if (saved_bytes > 0) saved = Tensor::empty({static_cast<int64_t>(saved_bytes)}, DType::u8, device_);
     }
     const auto call = [&] {
-      experts_forward(problem, name, out, stream_->stream(), workspace);
-      if (o_.backward) experts_backward(problem, grad_out, name, grads, stream_->stream(), backward_workspace_tensor);
+      if (saved_bytes > 0)
+        experts_forward_saving(problem, name, out, saved, stream_->stream(), workspace);
+      else
+        experts_forward(problem, name, out, stream_->stream(), workspace);
+      if (o_.backward)
+        experts_backward(problem, grad_out, name, grads, stream_->stream(), backward_workspace_tensor, saved);
     };
     DeviceTimer timer(*stream_);
     std::unique_ptr<CapturedGraph> graph;
@@ -736,6 +748,9 @@ void add_bench_command(CLI::App& app) {
         "Time forward + backward (DESIGN §2b) per call: FLOPs 18·pairs·H·I gated (6 forward, 12 backward); the floor "
         "reads the touched weights twice and writes their gradients; call GB adds the gradients and the backward's "
         "workspace");
+  f.add("--recompute", o.recompute,
+        "With --backward: run the backward that recomputes what it needs, also for backends whose forward can keep "
+        "activations for it (deepgemm, sonicmoe keep z; the kernel column says so and call GB counts them)");
   f.add("--memory-bandwidth-gbs", o.memory_bandwidth_gbs,
         "Memory bandwidth for the floor, GB/s; 0 = measure with a large multi-threaded memcpy at start")
       ->check(at_least(0));

@@ -108,4 +108,50 @@ void HopperBackend::backward(const ExpertsProblem& p, const Tensor& grad_out, Ex
 #endif
 }
 
+std::size_t HopperBackend::saved_activation_bytes(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  if (cuda_.saved_z_bytes == nullptr || p.config.quantization.quantized()) return 0;
+  return cuda_.saved_z_bytes(cuda_args(p));
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+std::size_t HopperBackend::saving_workspace_bytes(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  if (saved_activation_bytes(p) == 0) return workspace_bytes(p);
+  cuda::ExpertsArgs args = cuda_args(p);
+  // Any non-null z: the workspace of the path a forward that keeps z takes (the grouped GEMM at every size).
+  args.save_z = reinterpret_cast<float*>(alignof(float));
+  return cuda_.workspace_bytes(args);
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+void HopperBackend::forward_saving(const ExpertsProblem& p, Tensor& out, void* saved, void* workspace, Stream stream) {
+#if MOEKIT_HAS_CUDA
+  cuda::ExpertsArgs args = cuda_args(p, &out);
+  if (saved_activation_bytes(p) > 0) args.save_z = static_cast<float*>(saved);
+  cuda_.forward(args, workspace, cuda_stream(stream));
+#else
+  (void)p, (void)out, (void)saved, (void)workspace, (void)stream;
+  MOEKIT_FAIL(name(), ": ", kNoCudaReason);
+#endif
+}
+
+void HopperBackend::backward_saved(const ExpertsProblem& p, const Tensor& grad_out, const void* saved,
+                                   ExpertsGradients& grads, void* workspace, Stream stream) {
+#if MOEKIT_HAS_CUDA
+  cuda::ExpertsBackwardArgs args = cuda_backward_args(p, &grad_out, &grads);
+  args.saved_z = static_cast<const float*>(saved);
+  cuda_.backward(args, workspace, cuda_stream(stream));
+#else
+  (void)p, (void)grad_out, (void)saved, (void)grads, (void)workspace, (void)stream;
+  MOEKIT_FAIL(name(), ": ", kNoCudaReason);
+#endif
+}
+
 }  // namespace moekit::backends

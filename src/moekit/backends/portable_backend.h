@@ -31,6 +31,8 @@ struct CudaKernels {
   // Null where the backend has no CUDA backward (supports_backward then says so).
   std::size_t (*backward_workspace_bytes)(const cuda::ExpertsBackwardArgs&) = nullptr;
   void (*backward)(const cuda::ExpertsBackwardArgs&, void*, cudaStream_t) = nullptr;
+  // Bytes of what the forward keeps for the backward (ExpertsArgs::save_z), or null where it keeps nothing.
+  std::size_t (*saved_z_bytes)(const cuda::ExpertsArgs&) = nullptr;
 };
 // The backward's kernel arguments of a validated problem, grad_out and the gradients (null: sizes only).
 cuda::ExpertsBackwardArgs cuda_backward_args(const ExpertsProblem& p, const Tensor* grad_out = nullptr,
@@ -86,10 +88,10 @@ class PortableBackend : public ExpertsBackend {
         &cuda::name##_backward_workspace_bytes, &cuda::name##_backward               \
   }
 // A Hopper backend: its forward, and the Hopper backward both share.
-#define MOEKIT_CUDA_HOPPER_KERNELS(name)                                             \
-  {                                                                                  \
-    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::name##_kernel_path, \
-        &cuda::hopper_backward_workspace_bytes, &cuda::hopper_backward               \
+#define MOEKIT_CUDA_HOPPER_KERNELS(name)                                                            \
+  {                                                                                                 \
+    &cuda::name##_workspace_bytes, &cuda::name##_forward, &cuda::name##_kernel_path,                \
+        &cuda::hopper_backward_workspace_bytes, &cuda::hopper_backward, &cuda::hopper_saved_z_bytes \
   }
 #else
 #define MOEKIT_CUDA_HOPPER_KERNELS(name) \

@@ -74,6 +74,23 @@ void ExpertsBackend::backward(const ExpertsProblem&, const Tensor&, ExpertsGradi
   MOEKIT_FAIL("experts backend '", name(), "' has no backward pass");
 }
 
+std::size_t ExpertsBackend::saved_activation_bytes(const ExpertsProblem&) const {
+  return 0;
+}
+
+std::size_t ExpertsBackend::saving_workspace_bytes(const ExpertsProblem& problem) const {
+  return workspace_bytes(problem);
+}
+
+void ExpertsBackend::forward_saving(const ExpertsProblem& problem, Tensor& out, void*, void* workspace, Stream stream) {
+  forward(problem, out, workspace, stream);
+}
+
+void ExpertsBackend::backward_saved(const ExpertsProblem& problem, const Tensor& grad_out, const void*,
+                                    ExpertsGradients& grads, void* workspace, Stream stream) {
+  backward(problem, grad_out, grads, workspace, stream);
+}
+
 namespace {
 
 // A caller's workspace, checked, or one allocated for the call (none when bytes is 0).
@@ -102,7 +119,7 @@ void prepare_output(Tensor& t, const Shape& shape, DType dtype, Device device, s
 }  // namespace
 
 ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& grad_out, std::string_view backend_name,
-                                  ExpertsGradients grads, Stream stream, Tensor workspace) {
+                                  ExpertsGradients grads, Stream stream, Tensor workspace, Tensor saved) {
   ExpertsBackend& backend = ExpertsInterface::global().get(backend_name);
   const ExpertsShape shape = validate(problem);
   const Device device = problem.hidden_states.device();
@@ -132,8 +149,19 @@ ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& g
     MOEKIT_CHECK(!grads.gate_up_proj_bias.defined() && !grads.down_proj_bias.defined(),
                  "bias gradients were given for a problem without has_bias");
   }
+  const std::size_t saved_bytes = backend.saved_activation_bytes(problem);
+  const bool use_saved = saved.defined() && saved_bytes > 0;
+  if (use_saved)
+    MOEKIT_CHECK(saved.device() == device && saved.is_contiguous() && saved.nbytes() >= saved_bytes,
+                 "saved activations must be a contiguous tensor of at least ", saved_bytes, " bytes on ",
+                 device_name(device), " (what experts_forward_saving kept with backend '", backend_name,
+                 "' for this problem), got ", saved.describe());
   const std::size_t bytes = backend.backward_workspace_bytes(problem);
-  backend.backward(problem, grad_out, grads, prepare_workspace(workspace, bytes, device, backend_name), stream);
+  void* ws = prepare_workspace(workspace, bytes, device, backend_name);
+  if (use_saved)
+    backend.backward_saved(problem, grad_out, saved.data(), grads, ws, stream);
+  else
+    backend.backward(problem, grad_out, grads, ws, stream);
   return grads;
 }
 
@@ -155,6 +183,28 @@ ExpertsBackend& checked_forward_backend(const ExpertsProblem& problem, std::stri
 }
 
 }  // namespace
+
+TrainingForward experts_forward_saving(const ExpertsProblem& problem, std::string_view backend_name, Tensor out,
+                                       Tensor saved, Stream stream, Tensor workspace) {
+  ExpertsShape shape;
+  ExpertsBackend& backend = checked_forward_backend(problem, backend_name, shape);
+  const Support support = backend.supports_backward(problem);
+  MOEKIT_CHECK(support.ok, "experts backend '", backend_name,
+               "' cannot run the backward of this problem, so keeps nothing for it: ", support.reason);
+  const Device device = problem.hidden_states.device();
+  prepare_output(out, {shape.tokens, shape.hidden}, problem.hidden_states.dtype(), device, "out");
+  const std::size_t saved_bytes = backend.saved_activation_bytes(problem);
+  if (saved.defined())
+    MOEKIT_CHECK(saved.device() == device && saved.is_contiguous() && saved.nbytes() >= saved_bytes,
+                 "saved activations must be a contiguous tensor of at least ", saved_bytes, " bytes on ",
+                 device_name(device), " for backend '", backend_name, "', got ", saved.describe());
+  else
+    saved = Tensor::empty({static_cast<int64_t>(saved_bytes)}, DType::u8, device);
+  const std::size_t bytes = backend.saving_workspace_bytes(problem);
+  backend.forward_saving(problem, out, saved_bytes > 0 ? saved.data() : nullptr,
+                         prepare_workspace(workspace, bytes, device, backend_name), stream);
+  return {out, saved};
+}
 
 std::string experts_kernel_path(const ExpertsProblem& problem, std::string_view backend_name) {
   ExpertsShape shape;

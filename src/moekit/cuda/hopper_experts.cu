@@ -324,7 +324,8 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
                             .interleaved = a.has_gate && !a.concatenated,
                             .outputs = a.intermediate,
                             .out = quantized_up ? static_cast<void*>(hidden_q) : hidden,
-                            .out_scales = quantized_up ? hidden_scales : nullptr};
+                            .out_scales = quantized_up ? hidden_scales : nullptr,
+                            .save_z = a.save_z};
     auto launch_up = [&]<Epilogue kEpi>() {
       if constexpr (!kFp8)
         if (gather) return run_projection<T, kEpi, true, false>(a, r.tile_offsets, padded_pair, max_tiles, up, stream);
@@ -360,9 +361,10 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
   launch_combine_rows(a, pair_padded_row, y, false, /*weighted=*/!gather, stream);
 }
 
-// The workspace of the path forward takes: batched_mm's at decode sizes, the padded layout's otherwise.
+// The workspace of the path forward takes: batched_mm's at decode sizes (unless z is kept), the padded layout's
+// otherwise.
 std::size_t workspace_bytes(const ExpertsArgs& a, Variant v) {
-  return hopper_decode_streams(a) ? batched_mm_workspace_bytes(a) : layout(a, v).total;
+  return !a.save_z && hopper_decode_streams(a) ? batched_mm_workspace_bytes(a) : layout(a, v).total;
 }
 
 void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stream) {
@@ -371,7 +373,8 @@ void forward(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_t stre
                dtype_name(a.dtype));
   MOEKIT_CHECK(hopper_gemm_runs(a) && !(a.fp8() && v == Variant::sonicmoe), name,
                ": problem outside the supported set (checked by the backend's supports())");
-  if (hopper_decode_streams(a)) return batched_mm_forward(a, workspace, stream);
+  MOEKIT_CHECK(!a.save_z || !a.fp8(), name, ": a forward that keeps z for the backward needs unquantised weights");
+  if (!a.save_z && hopper_decode_streams(a)) return batched_mm_forward(a, workspace, stream);
   if (a.dtype == DType::bf16)
     a.fp8() ? forward_typed<bf16, true>(a, workspace, v, stream) : forward_typed<bf16, false>(a, workspace, v, stream);
   else
@@ -384,6 +387,11 @@ bool hopper_gemm_runs(const ExpertsArgs& a) {
   const int64_t granule = a.fp8() ? 128 : 8;  // FP8: whole scale blocks; otherwise 16-byte rows
   return !a.fp4() && (a.dtype == DType::bf16 || a.dtype == DType::f16) && !a.transposed && a.hidden % granule == 0 &&
          a.intermediate % granule == 0 && !hopper_alignment_refusal(a) && device_is_sm90();
+}
+
+std::size_t hopper_saved_z_bytes(const ExpertsArgs& a) {
+  const int64_t N = a.has_gate ? 2 * a.intermediate : a.intermediate;
+  return static_cast<std::size_t>(max_row_tiles(a) * kBlockM * N) * sizeof(float);
 }
 
 bool hopper_decode_streams(const ExpertsArgs& a) {

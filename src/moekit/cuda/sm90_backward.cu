@@ -10,6 +10,8 @@
 // where xs and gs are x and grad_out copied in the sorted order into buffers free by then (z's and dx's); where they
 // do not fit (H > 2N), the weight gradients gather the token rows in their loads instead (grad_up as x^T dz, stored
 // transposed, so that the gathered operand is the two-chunk A).
+// z is the one the forward kept where it did (ExpertsBackwardArgs::saved_z, in the padded layout of the same
+// routing): then the first product is not run at all.
 // Launches are sized from host-known bounds and read the tile counts on the device: no host synchronisation, no
 // allocation, so a training step captures in a CUDA graph.
 #include <algorithm>
@@ -116,21 +118,27 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   const CUtensorMap up_map = chunk_map(a.up, t, H, N, E), down_map = chunk_map(a.down, t, I, H, E);
   const CUtensorMap dz_map = chunk_map(p.dz, t, N, rows, 1), wa_map = chunk_map(p.wa, t, I, rows, 1);
 
-  Params z = base;  // z = x @ up_e^T + b1, float
-  z.A = Operand{a.x, H, 0, p.row_token, H};
-  z.B = Operand{a.up, H, N * H, nullptr, H};
-  z.n = N, z.k = H, z.n_blocks = blocks_of(N, sm90_backward::kBlockN);
-  z.out = p.z, z.ld_out = N;
-  launch<T, Major::k, Major::k, true, false, Grouping::rows, Epilogue::store_float>({up_map, up_map, up_map}, z,
-                                                                                    max_tiles * z.n_blocks, stream);
+  // z = x @ up_e^T + b1, float: the one the forward kept (its padded layout), or recomputed here (sorted rows).
+  const bool saved_z = p.b.saved_z != nullptr;
+  if (!saved_z) {
+    Params z = base;
+    z.A = Operand{a.x, H, 0, p.row_token, H};
+    z.B = Operand{a.up, H, N * H, nullptr, H};
+    z.n = N, z.k = H, z.n_blocks = blocks_of(N, sm90_backward::kBlockN);
+    z.out = p.z, z.ld_out = N;
+    launch<T, Major::k, Major::k, true, false, Grouping::rows, Epilogue::store_float>({up_map, up_map, up_map}, z,
+                                                                                      max_tiles * z.n_blocks, stream);
+  }
 
   Params g = base;  // G = grad_out @ down_e, into dz, wa and the partial sums
   g.A = Operand{p.b.grad_out, H, 0, p.row_token, H};
   g.B = Operand{a.down, I, H * I, nullptr, I};
   g.n = I, g.k = H, g.n_blocks = blocks_of(I, sm90_backward::kBlockN);
+  g.z_padded = saved_z;
   g.dz = p.dz, g.wa = p.wa, g.route_partials = p.route_partials, g.partial_blocks = p.partial_blocks;
+  const CUtensorMap g_z_map = saved_z ? z_map(p.b.saved_z, N, max_tiles * sm90_backward::kBlockM) : z_map(p.z, N, rows);
   launch<T, Major::k, Major::mn, true, false, Grouping::rows, Epilogue::activation_gradient>(
-      {down_map, down_map, z_map(p.z, N, rows)}, g, max_tiles * g.n_blocks, stream);
+      {down_map, down_map, g_z_map}, g, max_tiles * g.n_blocks, stream);
 
   Params dx = base;  // dx = dz @ up_e
   dx.A = Operand{p.dz, N, 0, nullptr, N};

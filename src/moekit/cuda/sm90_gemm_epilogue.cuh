@@ -30,8 +30,8 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 // one of the epilogue's unrolled steps makes the kernel spill its accumulators.
 // The activation's settings travel by value: a reference into the kernel's parameters would make the
 // compiler copy them all to the stack.
-inline __device__ __noinline__ float2 activated_pair(Act act, bool has_gate, float limit, float alpha, float g0, float u0,
-                                              float g1, float u1) {
+inline __device__ __noinline__ float2 activated_pair(Act act, bool has_gate, float limit, float alpha, float g0,
+                                                     float u0, float g1, float u1) {
   ExpertsArgs a;
   a.act = act;
   a.has_gate = has_gate;
@@ -124,6 +124,17 @@ __device__ __forceinline__ float4 gate_up_pair(const ExpertsArgs& a, const float
   }
   return make_float4(g0, g1, u0, u1);
 }
+// A gate_up_pair's z (gate j, j + 1 and up j, j + 1) into its padded row `z` of the first projection's float output
+// kept for the backward, at the weights' columns (gate_col, up_col): two float2 (concatenated; a quad's four lanes
+// write 32 contiguous bytes of each half) or one float4 of (g, u) pairs (interleaved).
+__device__ __forceinline__ void save_gate_up_z(const ExpertsArgs& a, float* z, int64_t j, float4 v) {
+  if (a.concatenated) {
+    *reinterpret_cast<float2*>(z + j) = make_float2(v.x, v.y);
+    *reinterpret_cast<float2*>(z + a.intermediate + j) = make_float2(v.z, v.w);
+  } else {
+    *reinterpret_cast<float4*>(z + 2 * j) = make_float4(v.x, v.z, v.y, v.w);
+  }
+}
 // act(gate) * up of a gate_up_pair's two columns: kSilu, SiLU, the common case, inline (activate's arithmetic); the
 // others through the call.
 template <bool kSilu>
@@ -133,15 +144,10 @@ __device__ __forceinline__ float2 activate_gate_up(const ExpertsArgs& a, float4 
   else
     return activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v.x, v.z, v.y, v.w);
 }
-// act(gate) * up of accumulator pair i. The biases are added once, before the choice of activation: added in each
-// arm, the bf16 gated kernels grew by a third (5,312 -> 7,064 instructions) and their DeepSeek-V3 layer ran 7% slower.
-template <typename T, int BN>
-__device__ __forceinline__ float2 gated_pair(const ExpertsArgs& a, const float* acc, const T* bias, bool is_silu,
-                                             int64_t j, int i) {
-  const float4 v = gate_up_pair<T, BN>(a, acc, bias, j, i);
-  return is_silu ? activate_gate_up<true>(a, v) : activate_gate_up<false>(a, v);
-}
-// The same with the activation chosen at compile time, for epilogues that choose it once a tile.
+// The biases are added once (gate_up_pair), before the choice of activation: added in each arm, the bf16 gated
+// kernels grew by a third (5,312 -> 7,064 instructions) and their DeepSeek-V3 layer ran 7% slower.
+// act(gate) * up of accumulator pair i with the activation chosen at compile time, for epilogues that choose it once
+// a tile.
 template <typename T, int BN, bool kSilu>
 __device__ __forceinline__ float2 gated_pair_as(const ExpertsArgs& a, const float* acc, const T* bias, int64_t j,
                                                 int i) {
@@ -227,25 +233,35 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     const int64_t col_base = int64_t{n_block} * (BN / 2);
     const T* bias = a.up_bias ? static_cast<const T*>(a.up_bias) + expert * N : nullptr;
     const bool is_silu = a.act == Act::silu;
+    // kSaveZ: z (gate and up with their biases) kept as float for the backward too, at the weights' own columns.
+    auto epilogue = [&]<bool kSaveZ>() {
 #pragma unroll
-    for (int m = 0; m < kHalf / 8; ++m) {
-      uint32_t words[4];
+      for (int m = 0; m < kHalf / 8; ++m) {
+        uint32_t words[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int i = 8 * m + 2 * k;
-        const int64_t j = col_base + acc_col(lane, i);
-        // outputs is a multiple of 8, so j + 1 is inside when j is
-        const float2 h = gated_pair<T, BN>(a, acc, j < p.outputs ? bias : nullptr, is_silu, j, i);
-        if constexpr (kStaged)
-          stage_pair<O, BN / 2>(staged, acc_row(warp, lane, i), acc_col(lane, i), h);
-        else if constexpr (kPacked)
-          words[k] = pack2<O>(h.x, h.y);
-        else if (j < p.outputs)
-          store_pair(static_cast<O*>(p.out) + (row_base + acc_row(warp, lane, i)) * p.outputs + j, h);
+        for (int k = 0; k < 4; ++k) {
+          const int i = 8 * m + 2 * k;
+          const int64_t j = col_base + acc_col(lane, i);
+          // outputs is a multiple of 8, so j + 1 is inside when j is
+          const float4 v = gate_up_pair<T, BN>(a, acc, j < p.outputs ? bias : nullptr, j, i);
+          if constexpr (kSaveZ)
+            if (j < p.outputs) save_gate_up_z(a, p.z_out + (row_base + acc_row(warp, lane, i)) * N, j, v);
+          const float2 h = is_silu ? activate_gate_up<true>(a, v) : activate_gate_up<false>(a, v);
+          if constexpr (kStaged)
+            stage_pair<O, BN / 2>(staged, acc_row(warp, lane, i), acc_col(lane, i), h);
+          else if constexpr (kPacked)
+            words[k] = pack2<O>(h.x, h.y);
+          else if (j < p.outputs)
+            store_pair(static_cast<O*>(p.out) + (row_base + acc_row(warp, lane, i)) * p.outputs + j, h);
+        }
+        if constexpr (kPacked && !kStaged)
+          store_group_pair(static_cast<O*>(p.out), p.outputs, row_base, col_base, p.outputs, m, words, warp, lane);
       }
-      if constexpr (kPacked && !kStaged)
-        store_group_pair(static_cast<O*>(p.out), p.outputs, row_base, col_base, p.outputs, m, words, warp, lane);
-    }
+    };
+    if (p.z_out)
+      epilogue.template operator()<true>();
+    else
+      epilogue.template operator()<false>();
   } else {
     const int64_t col_base = int64_t{n_block} * BN;
     // This thread's biases: columns col_base + 2 (lane % 4) + 8 c for c = 0 .. BN / 8 - 1, `left` of them inside
@@ -271,6 +287,9 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
         const float v0 = acc[i] + bk.x, v1 = acc[i + 1] + bk.y;
         float2 v;
         if constexpr (kEpi == Epilogue::activation) {
+          if (p.z_out && j < p.outputs)
+            *reinterpret_cast<float2*>(p.z_out + (row_base + acc_row(warp, lane, i)) * p.outputs + j) =
+                make_float2(v0, v1);
           v = activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
         } else {
           const float w = weight[k & 1];

@@ -51,6 +51,9 @@ struct GemmParams {
   bool interleaved = false;               // B map coordinates (k, part, n, e) instead of (k, n, part, e)
   int64_t outputs = 0;                    // valid output columns (I for the first projection, H for the second)
   void* out = nullptr;                    // [rows, outputs] in T
+  // First projections (gated, activation) of a forward that keeps z for the backward: the accumulators plus the
+  // biases, float [rows, N] at the weights' columns (N = 2 * outputs gated). Null: not kept.
+  float* z_out = nullptr;
   // [rows]: the (token, slot) pair of each padded row, -1 for padding. Read by the gathering producer
   // and, when weight_rows, by the store epilogue.
   const int32_t* padded_pair = nullptr;

@@ -39,8 +39,8 @@ static_assert(kStages<false, Epilogue::gated, false> == 4 && kStages<false, Epil
               kStages<true, Epilogue::gated_e4m3, false> == 4 && kStages<true, Epilogue::store, false> == 3);
 
 template <typename T, Epilogue kEpi, int kCluster, bool kGatherA, bool kFp8>
-void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
-                    const GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
+void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map, const GemmParams& p,
+                    int64_t max_tiles, cudaStream_t stream) {
   constexpr int BN = kTileN<kFp8, kEpi>;
   constexpr int kDepth = kStages<kFp8, kEpi, kGatherA>;
   auto* kernel = grouped_gemm_kernel<GemmConfig<T, BN, kEpi, kDepth, kCluster, kGatherA, kFp8>>;
@@ -79,8 +79,8 @@ void launch_gemm_on(const CUtensorMap& a_map, const CUtensorMap& b_map, const CU
 }
 
 template <typename T, Epilogue kEpi, bool kGatherA, bool kFp8>
-void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map,
-                 const GemmParams& p, int64_t max_tiles, cudaStream_t stream) {
+void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& s_map, const GemmParams& p,
+                 int64_t max_tiles, cudaStream_t stream) {
   if (cluster_blocks(int64_t{p.k_blocks} * kStageK<kFp8>, p.masked_m != nullptr) == 2)
     launch_gemm_on<T, kEpi, 2, kGatherA, kFp8>(a_map, b_map, s_map, p, max_tiles, stream);
   else
@@ -89,8 +89,8 @@ void launch_gemm(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUten
 
 // The B map of a projection's weights, as 4-D {K, rows per part, parts, E} (or {K, parts, rows, E}
 // for interleaved gate/up rows, keeping the strides increasing) with a box of half a weight tile.
-inline CUtensorMap weight_map(const void* w, DType dtype, int64_t K, int64_t rows, int parts, bool interleaved, int64_t E,
-                       int box_rows) {
+inline CUtensorMap weight_map(const void* w, DType dtype, int64_t K, int64_t rows, int parts, bool interleaved,
+                              int64_t E, int box_rows) {
   const uint64_t element = dtype_size(dtype);
   const uint64_t row_bytes = static_cast<uint64_t>(K) * element;
   const uint64_t expert_bytes = row_bytes * static_cast<uint64_t>(rows * parts);
@@ -148,6 +148,7 @@ void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int
   p.outputs = j.outputs;
   p.out = j.out;
   p.out_scales = j.out_scales;
+  p.z_out = kFp8 ? nullptr : j.save_z;
   p.out_scale_rows = M;
   p.b_scales = j.weight_scales;
   p.b_scale_rows = (N + 127) / 128;
