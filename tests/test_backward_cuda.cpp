@@ -52,7 +52,8 @@ void replay_backward_graph(const std::string& backend, bool keep) {
   Tensor grad_out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
   ExpertsGradients grads = test::poisoned_gradients(captured, Device::cuda());
   ExpertsBackend& b = ExpertsInterface::global().get(backend);
-  Tensor workspace = device_workspace(b.backward_workspace_bytes(captured));
+  Tensor workspace =
+      device_workspace(keep ? b.saved_backward_workspace_bytes(captured) : b.backward_workspace_bytes(captured));
   Tensor forward_workspace = device_workspace(b.saving_workspace_bytes(captured));
   Tensor out = Tensor::empty({o.tokens, o.hidden}, o.dtype, Device::cuda());
   Tensor saved = device_workspace(b.saved_activation_bytes(captured));

@@ -2,6 +2,7 @@
 // with the C++ message, and weights registered as storages keeping their packed copies until marked modified.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -121,6 +122,52 @@ TEST(CApi, ForwardAndBackwardEqualTheCppApi) {
     EXPECT_TRUE(bitwise_equal(g.gate_up_proj_bias, expected.gate_up_proj_bias));
     EXPECT_TRUE(bitwise_equal(g.down_proj_bias, expected.down_proj_bias));
   }
+}
+
+// The training step's calls: a backend that keeps nothing reports 0 bytes, and its forward_saving and
+// backward_saved (with no buffer) are its forward and backward, bit for bit.
+TEST(CApi, SavingForwardAndBackwardFromSavedOfABackendThatKeepsNothing) {
+  const ExpertsProblem p = problem(6, true);
+  const moekit_experts_problem c = c_problem(p);
+  size_t saved = 1, forward_bytes = 0, backward_bytes = 0;
+  ASSERT_EQ(moekit_experts_saved_bytes(&c, "grouped_mm", &saved, &forward_bytes, &backward_bytes), 0)
+      << moekit_last_error();
+  EXPECT_EQ(saved, 0u);
+  std::vector<unsigned char> workspace(std::max(forward_bytes, backward_bytes) + 1);
+  Tensor out = Tensor::empty(p.hidden_states.shape(), DType::f32);
+  const moekit_tensor c_out = view(out);
+  ASSERT_EQ(
+      moekit_experts_forward_saving(&c, "grouped_mm", &c_out, nullptr, 0, workspace.data(), forward_bytes, nullptr), 0)
+      << moekit_last_error();
+  EXPECT_TRUE(bitwise_equal(out, experts_forward(p, "grouped_mm")));
+
+  const Tensor grad_out = problem(7, false).hidden_states;
+  const ExpertsGradients expected = experts_backward(p, grad_out, "grouped_mm");
+  ExpertsGradients g;
+  g.hidden_states = Tensor::empty(p.hidden_states.shape(), DType::f32);
+  g.top_k_weights = Tensor::empty(p.top_k_weights.shape(), p.top_k_weights.dtype());
+  g.gate_up_proj = Tensor::empty(p.gate_up_proj.shape(), DType::f32);
+  g.down_proj = Tensor::empty(p.down_proj.shape(), DType::f32);
+  g.gate_up_proj_bias = Tensor::empty(p.gate_up_proj_bias.shape(), DType::f32);
+  g.down_proj_bias = Tensor::empty(p.down_proj_bias.shape(), DType::f32);
+  const moekit_experts_gradients c_grads{view(g.hidden_states), view(g.top_k_weights),     view(g.gate_up_proj),
+                                         view(g.down_proj),     view(g.gate_up_proj_bias), view(g.down_proj_bias)};
+  const moekit_tensor c_grad_out = view(grad_out);
+  ASSERT_EQ(moekit_experts_backward_saved(&c, "grouped_mm", &c_grad_out, &c_grads, nullptr, 0, workspace.data(),
+                                          backward_bytes, nullptr),
+            0)
+      << moekit_last_error();
+  EXPECT_TRUE(bitwise_equal(g.hidden_states, expected.hidden_states));
+  EXPECT_TRUE(bitwise_equal(g.top_k_weights, expected.top_k_weights));
+  EXPECT_TRUE(bitwise_equal(g.gate_up_proj, expected.gate_up_proj));
+  EXPECT_TRUE(bitwise_equal(g.down_proj, expected.down_proj));
+
+  // A null buffer with a size, and a backend without a backward, are errors that say so.
+  EXPECT_EQ(
+      moekit_experts_forward_saving(&c, "grouped_mm", &c_out, nullptr, 8, workspace.data(), forward_bytes, nullptr), 1);
+  EXPECT_NE(std::string(moekit_last_error()).find("saved is null"), std::string::npos) << moekit_last_error();
+  EXPECT_EQ(moekit_experts_saved_bytes(&c, "deepgemm_megamoe", &saved, &forward_bytes, &backward_bytes), 1);
+  EXPECT_NE(std::string(moekit_last_error()).find("cannot run the backward"), std::string::npos) << moekit_last_error();
 }
 
 TEST(CApi, ErrorsAreReturnedWithTheirMessage) {

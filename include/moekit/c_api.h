@@ -101,6 +101,22 @@ int moekit_experts_backward(const moekit_experts_problem* problem, const char* b
                             const moekit_experts_gradients* grads, void* workspace, size_t workspace_bytes,
                             void* stream);
 
+/* Activations kept from the forward for the backward (experts.h: experts_forward_saving), for a problem whose
+ * backward the backend runs: *saved_bytes what it keeps (0: nothing, its backward recomputes), and the workspaces of
+ * the forward that keeps them and of the backward that reads them. */
+int moekit_experts_saved_bytes(const moekit_experts_problem* problem, const char* backend, size_t* saved_bytes,
+                               size_t* forward_workspace_bytes, size_t* backward_workspace_bytes);
+/* The forward of a training step: out, and `saved` (at least *saved_bytes bytes on the problem's device; null
+ * where that is 0) written for moekit_experts_backward_saved. */
+int moekit_experts_forward_saving(const moekit_experts_problem* problem, const char* backend, const moekit_tensor* out,
+                                  void* saved, size_t saved_bytes, void* workspace, size_t workspace_bytes,
+                                  void* stream);
+/* moekit_experts_backward reading what moekit_experts_forward_saving kept for the same problem and inputs. */
+int moekit_experts_backward_saved(const moekit_experts_problem* problem, const char* backend,
+                                  const moekit_tensor* grad_out, const moekit_experts_gradients* grads,
+                                  const void* saved, size_t saved_bytes, void* workspace, size_t workspace_bytes,
+                                  void* stream);
+
 /* [data, data + bytes) on a device, registered so that derived data can be attached to it; the memory
  * stays the caller's. */
 int moekit_storage_create(void* data, size_t bytes, int32_t device_type, int32_t device_index,

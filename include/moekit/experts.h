@@ -151,9 +151,11 @@ class ExpertsBackend {
   // Activations kept from the forward for the backward, a choice per backend (DESIGN §2b): a training step may run
   // forward_saving, which also writes saved_activation_bytes(problem) bytes to `saved` (on the problem's device, in a
   // workspace of saving_workspace_bytes), and then backward_saved with the same problem, inputs and saved bytes,
-  // which reads them in place of recomputing. The defaults keep nothing (0 bytes) and run forward() and backward().
+  // which reads them in place of recomputing (in a workspace of saved_backward_workspace_bytes). The defaults keep
+  // nothing (0 bytes) and run forward() and backward() in their own workspaces.
   virtual std::size_t saved_activation_bytes(const ExpertsProblem& problem) const;
   virtual std::size_t saving_workspace_bytes(const ExpertsProblem& problem) const;
+  virtual std::size_t saved_backward_workspace_bytes(const ExpertsProblem& problem) const;
   virtual void forward_saving(const ExpertsProblem& problem, Tensor& out, void* saved, void* workspace, Stream stream);
   virtual void backward_saved(const ExpertsProblem& problem, const Tensor& grad_out, const void* saved,
                               ExpertsGradients& grads, void* workspace, Stream stream);
@@ -196,7 +198,8 @@ std::string experts_kernel_path(const ExpertsProblem& problem, std::string_view 
 // contiguous and on the problem's device. Pass a workspace of at least backward_workspace_bytes(problem)
 // bytes to run with no allocation (CUDA graph capture).
 // saved: what experts_forward_saving kept for this problem with this backend (TrainingForward::saved), read in place
-// of recomputing it; undefined (or empty, where the backend keeps nothing): the backward recomputes.
+// of recomputing it; undefined (or empty, where the backend keeps nothing): the backward recomputes. A given workspace
+// must then hold saved_backward_workspace_bytes(problem).
 ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& grad_out,
                                   std::string_view backend = "grouped_mm", ExpertsGradients grads = ExpertsGradients(),
                                   Stream stream = Stream(), Tensor workspace = Tensor(), Tensor saved = Tensor());

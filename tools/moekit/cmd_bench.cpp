@@ -603,9 +603,11 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
   }
   row.kernel = backend.kernel_path(problem);
   row.workspace_bytes = backend.workspace_bytes(problem);
-  const std::size_t backward_workspace = o_.backward ? backend.backward_workspace_bytes(problem) : 0;
   // --backward: the forward keeps what the backend saves for its backward (none: it recomputes), unless --recompute.
   const std::size_t saved_bytes = o_.backward && !o_.recompute ? backend.saved_activation_bytes(problem) : 0;
+  const std::size_t backward_workspace = !o_.backward      ? 0
+                                         : saved_bytes > 0 ? backend.saved_backward_workspace_bytes(problem)
+                                                           : backend.backward_workspace_bytes(problem);
   if (saved_bytes > 0) {
     row.workspace_bytes = backend.saving_workspace_bytes(problem);
     row.kernel += "; backward from the forward's kept activations (" + gb(static_cast<double>(saved_bytes)) + ")";

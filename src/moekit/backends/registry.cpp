@@ -82,6 +82,10 @@ std::size_t ExpertsBackend::saving_workspace_bytes(const ExpertsProblem& problem
   return workspace_bytes(problem);
 }
 
+std::size_t ExpertsBackend::saved_backward_workspace_bytes(const ExpertsProblem& problem) const {
+  return backward_workspace_bytes(problem);
+}
+
 void ExpertsBackend::forward_saving(const ExpertsProblem& problem, Tensor& out, void*, void* workspace, Stream stream) {
   forward(problem, out, workspace, stream);
 }
@@ -156,7 +160,8 @@ ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& g
                  "saved activations must be a contiguous tensor of at least ", saved_bytes, " bytes on ",
                  device_name(device), " (what experts_forward_saving kept with backend '", backend_name,
                  "' for this problem), got ", saved.describe());
-  const std::size_t bytes = backend.backward_workspace_bytes(problem);
+  const std::size_t bytes =
+      use_saved ? backend.saved_backward_workspace_bytes(problem) : backend.backward_workspace_bytes(problem);
   void* ws = prepare_workspace(workspace, bytes, device, backend_name);
   if (use_saved)
     backend.backward_saved(problem, grad_out, saved.data(), grads, ws, stream);

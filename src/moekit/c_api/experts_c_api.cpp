@@ -1,13 +1,12 @@
 // The C ABI of include/moekit/c_api.h: turns its plain structs into the experts interface's types and every
 // exception into a return code and a per-thread message.
-#include "moekit/c_api.h"
-
 #include <algorithm>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <string>
 
+#include "moekit/c_api.h"
 #include "moekit/error.h"
 #include "moekit/experts.h"
 
@@ -54,8 +53,8 @@ Device to_device(int32_t type, int32_t index) {
 // The view described by t, `what` naming it in errors; undefined when t.data is null.
 Tensor to_tensor(const moekit_tensor& t, const char* what) {
   if (t.data == nullptr) return Tensor();
-  MOEKIT_CHECK(t.ndim >= 0 && t.ndim <= MOEKIT_C_MAX_DIMS, what, ": ndim must be in [0, ", MOEKIT_C_MAX_DIMS,
-               "], got ", t.ndim);
+  MOEKIT_CHECK(t.ndim >= 0 && t.ndim <= MOEKIT_C_MAX_DIMS, what, ": ndim must be in [0, ", MOEKIT_C_MAX_DIMS, "], got ",
+               t.ndim);
   MOEKIT_CHECK(t.dtype != nullptr, what, ": no dtype");
   const DType dtype = moekit::parse_dtype(t.dtype);
   const Device device = to_device(t.device_type, t.device_index);
@@ -121,9 +120,13 @@ Tensor workspace_tensor(void* workspace, std::size_t bytes, Device device) {
 
 extern "C" {
 
-int moekit_c_abi_version(void) { return MOEKIT_C_ABI_VERSION; }
+int moekit_c_abi_version(void) {
+  return MOEKIT_C_ABI_VERSION;
+}
 
-const char* moekit_last_error(void) { return last_error.c_str(); }
+const char* moekit_last_error(void) {
+  return last_error.c_str();
+}
 
 int moekit_backend_names(char* buffer, size_t capacity, size_t* needed) {
   return guarded([&] {
@@ -182,6 +185,49 @@ int moekit_experts_forward(const moekit_experts_problem* problem, const char* ba
   });
 }
 
+}  // extern "C"
+
+namespace {
+
+// The caller's gradients of a backward call: every one is the caller's memory, none may be left for the library to
+// allocate and drop.
+moekit::ExpertsGradients caller_gradients(const moekit::ExpertsProblem& p, const moekit_experts_gradients* grads) {
+  moekit::ExpertsGradients g;
+  const auto required = [](const moekit_tensor& t, const char* what) {
+    MOEKIT_CHECK(t.data != nullptr, what, " must be given");
+    return to_tensor(t, what);
+  };
+  g.hidden_states = required(grads->hidden_states, "grad_hidden_states");
+  g.top_k_weights = required(grads->top_k_weights, "grad_top_k_weights");
+  g.gate_up_proj = required(grads->gate_up_proj, p.config.has_gate ? "grad_gate_up_proj" : "grad_up_proj");
+  g.down_proj = required(grads->down_proj, "grad_down_proj");
+  if (p.config.has_bias) {
+    g.gate_up_proj_bias = required(grads->gate_up_proj_bias, "grad_gate_up_proj_bias");
+    g.down_proj_bias = required(grads->down_proj_bias, "grad_down_proj_bias");
+  } else {
+    g.gate_up_proj_bias = to_tensor(grads->gate_up_proj_bias, "grad_gate_up_proj_bias");
+    g.down_proj_bias = to_tensor(grads->down_proj_bias, "grad_down_proj_bias");
+  }
+  return g;
+}
+
+Device device_of(const moekit::ExpertsProblem& p) {
+  return p.hidden_states.defined() ? p.hidden_states.device() : Device::cpu();
+}
+
+// A caller's buffer of kept activations (null only where it holds 0 bytes).
+Tensor saved_tensor(const void* saved, std::size_t bytes, Device device) {
+  if (saved == nullptr) {
+    MOEKIT_CHECK(bytes == 0, "saved is null but saved_bytes is ", bytes);
+    return Tensor::empty({0}, DType::u8, device);
+  }
+  return Tensor::from_blob(const_cast<void*>(saved), {static_cast<int64_t>(bytes)}, DType::u8, device);
+}
+
+}  // namespace
+
+extern "C" {
+
 int moekit_experts_backward(const moekit_experts_problem* problem, const char* backend, const moekit_tensor* grad_out,
                             const moekit_experts_gradients* grads, void* workspace, size_t workspace_bytes,
                             void* stream) {
@@ -189,26 +235,50 @@ int moekit_experts_backward(const moekit_experts_problem* problem, const char* b
     MOEKIT_CHECK(backend != nullptr && grad_out != nullptr && grads != nullptr,
                  "backend, grad_out and grads must be given");
     const moekit::ExpertsProblem p = to_problem(problem);
-    moekit::ExpertsGradients g;
-    // Every gradient is the caller's memory: none may be left for the library to allocate and drop.
-    const auto required = [](const moekit_tensor& t, const char* what) {
-      MOEKIT_CHECK(t.data != nullptr, what, " must be given");
-      return to_tensor(t, what);
-    };
-    g.hidden_states = required(grads->hidden_states, "grad_hidden_states");
-    g.top_k_weights = required(grads->top_k_weights, "grad_top_k_weights");
-    g.gate_up_proj = required(grads->gate_up_proj, p.config.has_gate ? "grad_gate_up_proj" : "grad_up_proj");
-    g.down_proj = required(grads->down_proj, "grad_down_proj");
-    if (p.config.has_bias) {
-      g.gate_up_proj_bias = required(grads->gate_up_proj_bias, "grad_gate_up_proj_bias");
-      g.down_proj_bias = required(grads->down_proj_bias, "grad_down_proj_bias");
-    } else {
-      g.gate_up_proj_bias = to_tensor(grads->gate_up_proj_bias, "grad_gate_up_proj_bias");
-      g.down_proj_bias = to_tensor(grads->down_proj_bias, "grad_down_proj_bias");
-    }
-    const Device device = p.hidden_states.defined() ? p.hidden_states.device() : Device::cpu();
-    moekit::experts_backward(p, to_tensor(*grad_out, "grad_out"), backend, g, moekit::Stream{stream},
-                             workspace_tensor(workspace, workspace_bytes, device));
+    moekit::experts_backward(p, to_tensor(*grad_out, "grad_out"), backend, caller_gradients(p, grads),
+                             moekit::Stream{stream}, workspace_tensor(workspace, workspace_bytes, device_of(p)));
+  });
+}
+
+int moekit_experts_saved_bytes(const moekit_experts_problem* problem, const char* backend, size_t* saved_bytes,
+                               size_t* forward_workspace_bytes, size_t* backward_workspace_bytes) {
+  return guarded([&] {
+    MOEKIT_CHECK(saved_bytes != nullptr && forward_workspace_bytes != nullptr && backward_workspace_bytes != nullptr,
+                 "saved_bytes, forward_workspace_bytes and backward_workspace_bytes must not be null");
+    const moekit::ExpertsProblem p = to_problem(problem);
+    const moekit::Support s = problem_support(p, backend, true);
+    MOEKIT_CHECK(s.ok, "experts backend '", backend, "' cannot run the backward of this problem: ", s.reason);
+    moekit::ExpertsBackend& b = moekit::ExpertsInterface::global().get(backend);
+    *saved_bytes = b.saved_activation_bytes(p);
+    *forward_workspace_bytes = b.saving_workspace_bytes(p);
+    *backward_workspace_bytes = *saved_bytes > 0 ? b.saved_backward_workspace_bytes(p) : b.backward_workspace_bytes(p);
+  });
+}
+
+int moekit_experts_forward_saving(const moekit_experts_problem* problem, const char* backend, const moekit_tensor* out,
+                                  void* saved, size_t saved_bytes, void* workspace, size_t workspace_bytes,
+                                  void* stream) {
+  return guarded([&] {
+    MOEKIT_CHECK(backend != nullptr && out != nullptr && out->data != nullptr, "backend and out must be given");
+    const moekit::ExpertsProblem p = to_problem(problem);
+    const Device device = device_of(p);
+    moekit::experts_forward_saving(p, backend, to_tensor(*out, "out"), saved_tensor(saved, saved_bytes, device),
+                                   moekit::Stream{stream}, workspace_tensor(workspace, workspace_bytes, device));
+  });
+}
+
+int moekit_experts_backward_saved(const moekit_experts_problem* problem, const char* backend,
+                                  const moekit_tensor* grad_out, const moekit_experts_gradients* grads,
+                                  const void* saved, size_t saved_bytes, void* workspace, size_t workspace_bytes,
+                                  void* stream) {
+  return guarded([&] {
+    MOEKIT_CHECK(backend != nullptr && grad_out != nullptr && grads != nullptr,
+                 "backend, grad_out and grads must be given");
+    const moekit::ExpertsProblem p = to_problem(problem);
+    const Device device = device_of(p);
+    moekit::experts_backward(p, to_tensor(*grad_out, "grad_out"), backend, caller_gradients(p, grads),
+                             moekit::Stream{stream}, workspace_tensor(workspace, workspace_bytes, device),
+                             saved_tensor(saved, saved_bytes, device));
   });
 }
 
@@ -231,6 +301,8 @@ int moekit_storage_modified(moekit_storage* storage) {
   });
 }
 
-void moekit_storage_release(moekit_storage* storage) { delete storage; }
+void moekit_storage_release(moekit_storage* storage) {
+  delete storage;
+}
 
 }  // extern "C"
