@@ -199,7 +199,8 @@ std::string experts_kernel_path(const ExpertsProblem& problem, std::string_view 
 // bytes to run with no allocation (CUDA graph capture).
 // saved: what experts_forward_saving kept for this problem with this backend (TrainingForward::saved), read in place
 // of recomputing it; undefined (or empty, where the backend keeps nothing): the backward recomputes. A given workspace
-// must then hold saved_backward_workspace_bytes(problem).
+// must then hold saved_backward_workspace_bytes(problem). Only the size of `saved` is checked: it must come from
+// experts_forward_saving with this backend on these very inputs (what autograd's saved tensors guarantee).
 ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& grad_out,
                                   std::string_view backend = "grouped_mm", ExpertsGradients grads = ExpertsGradients(),
                                   Stream stream = Stream(), Tensor workspace = Tensor(), Tensor saved = Tensor());
