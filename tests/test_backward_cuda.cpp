@@ -38,6 +38,9 @@ class BackwardCudaGraph : public ::testing::TestWithParam<std::string> {};
 // The capture and its replays; keep: the whole training step, experts_forward_saving and then the backward from the
 // activations it kept (checked against the reference forward too), in one graph.
 void replay_backward_graph(const std::string& backend, bool keep) {
+  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
+  if (const Support s = ExpertsInterface::global().get(backend).supports_device(Device::cuda()); !s)
+    GTEST_SKIP() << backend << " does not run on this GPU: " << s.reason;
   RandomProblemOptions o;
   o.tokens = 48;
   o.hidden = 256;
@@ -108,21 +111,13 @@ void replay_backward_graph(const std::string& backend, bool keep) {
 }
 
 TEST_P(BackwardCudaGraph, ReplaysWithNewInputsRoutingAndGradients) {
-  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
-  const std::string backend = GetParam();
-  if (const Support s = ExpertsInterface::global().get(backend).supports_device(Device::cuda()); !s)
-    GTEST_SKIP() << backend << " does not run on this GPU: " << s.reason;
-  replay_backward_graph(backend, false);
+  replay_backward_graph(GetParam(), false);
 }
 
 // A training step in one graph: the forward that keeps activations for the backward, and the backward that reads them.
 // Backends that keep nothing run their usual forward and backward here.
 TEST_P(BackwardCudaGraph, TrainingStepWithKeptActivationsReplays) {
-  if (auto why = test::device_unavailable(Device::cuda())) GTEST_SKIP() << "no CUDA device: " << *why;
-  const std::string backend = GetParam();
-  if (const Support s = ExpertsInterface::global().get(backend).supports_device(Device::cuda()); !s)
-    GTEST_SKIP() << backend << " does not run on this GPU: " << s.reason;
-  replay_backward_graph(backend, true);
+  replay_backward_graph(GetParam(), true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackwardCudaGraph,

@@ -67,6 +67,31 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
 }
 
+// The caller's gradient tensors of a problem (f32, the routing weights' dtype) and their C view.
+struct CallerGradients {
+  ExpertsGradients g;
+  moekit_experts_gradients c;
+  explicit CallerGradients(const ExpertsProblem& p) {
+    g.hidden_states = Tensor::empty(p.hidden_states.shape(), DType::f32);
+    g.top_k_weights = Tensor::empty(p.top_k_weights.shape(), p.top_k_weights.dtype());
+    g.gate_up_proj = Tensor::empty(p.gate_up_proj.shape(), DType::f32);
+    g.down_proj = Tensor::empty(p.down_proj.shape(), DType::f32);
+    g.gate_up_proj_bias = Tensor::empty(p.gate_up_proj_bias.shape(), DType::f32);
+    g.down_proj_bias = Tensor::empty(p.down_proj_bias.shape(), DType::f32);
+    c = {view(g.hidden_states), view(g.top_k_weights),     view(g.gate_up_proj),
+         view(g.down_proj),     view(g.gate_up_proj_bias), view(g.down_proj_bias)};
+  }
+  // Every gradient bitwise equal to the C++ API's.
+  void expect_equal(const ExpertsGradients& expected) const {
+    EXPECT_TRUE(bitwise_equal(g.hidden_states, expected.hidden_states));
+    EXPECT_TRUE(bitwise_equal(g.top_k_weights, expected.top_k_weights));
+    EXPECT_TRUE(bitwise_equal(g.gate_up_proj, expected.gate_up_proj));
+    EXPECT_TRUE(bitwise_equal(g.down_proj, expected.down_proj));
+    EXPECT_TRUE(bitwise_equal(g.gate_up_proj_bias, expected.gate_up_proj_bias));
+    EXPECT_TRUE(bitwise_equal(g.down_proj_bias, expected.down_proj_bias));
+  }
+};
+
 TEST(CApi, VersionAndBackendNames) {
   EXPECT_EQ(moekit_c_abi_version(), MOEKIT_C_ABI_VERSION);
   size_t needed = 0;
@@ -101,26 +126,13 @@ TEST(CApi, ForwardAndBackwardEqualTheCppApi) {
 
     const Tensor grad_out = problem(4, false).hidden_states;
     const ExpertsGradients expected = experts_backward(p, grad_out, backend);
-    ExpertsGradients g;
-    g.hidden_states = Tensor::empty(p.hidden_states.shape(), DType::f32);
-    g.top_k_weights = Tensor::empty(p.top_k_weights.shape(), p.top_k_weights.dtype());
-    g.gate_up_proj = Tensor::empty(p.gate_up_proj.shape(), DType::f32);
-    g.down_proj = Tensor::empty(p.down_proj.shape(), DType::f32);
-    g.gate_up_proj_bias = Tensor::empty(p.gate_up_proj_bias.shape(), DType::f32);
-    g.down_proj_bias = Tensor::empty(p.down_proj_bias.shape(), DType::f32);
-    const moekit_experts_gradients c_grads{view(g.hidden_states), view(g.top_k_weights),     view(g.gate_up_proj),
-                                           view(g.down_proj),     view(g.gate_up_proj_bias), view(g.down_proj_bias)};
+    const CallerGradients g(p);
     ASSERT_EQ(moekit_experts_workspace_bytes(&c, backend, 1, &bytes), 0) << moekit_last_error();
     workspace.resize(bytes + 1);
     const moekit_tensor c_grad_out = view(grad_out);
-    ASSERT_EQ(moekit_experts_backward(&c, backend, &c_grad_out, &c_grads, workspace.data(), bytes, nullptr), 0)
+    ASSERT_EQ(moekit_experts_backward(&c, backend, &c_grad_out, &g.c, workspace.data(), bytes, nullptr), 0)
         << moekit_last_error();
-    EXPECT_TRUE(bitwise_equal(g.hidden_states, expected.hidden_states));
-    EXPECT_TRUE(bitwise_equal(g.top_k_weights, expected.top_k_weights));
-    EXPECT_TRUE(bitwise_equal(g.gate_up_proj, expected.gate_up_proj));
-    EXPECT_TRUE(bitwise_equal(g.down_proj, expected.down_proj));
-    EXPECT_TRUE(bitwise_equal(g.gate_up_proj_bias, expected.gate_up_proj_bias));
-    EXPECT_TRUE(bitwise_equal(g.down_proj_bias, expected.down_proj_bias));
+    g.expect_equal(expected);
   }
 }
 
@@ -143,24 +155,13 @@ TEST(CApi, SavingForwardAndBackwardFromSavedOfABackendThatKeepsNothing) {
 
   const Tensor grad_out = problem(7, false).hidden_states;
   const ExpertsGradients expected = experts_backward(p, grad_out, "grouped_mm");
-  ExpertsGradients g;
-  g.hidden_states = Tensor::empty(p.hidden_states.shape(), DType::f32);
-  g.top_k_weights = Tensor::empty(p.top_k_weights.shape(), p.top_k_weights.dtype());
-  g.gate_up_proj = Tensor::empty(p.gate_up_proj.shape(), DType::f32);
-  g.down_proj = Tensor::empty(p.down_proj.shape(), DType::f32);
-  g.gate_up_proj_bias = Tensor::empty(p.gate_up_proj_bias.shape(), DType::f32);
-  g.down_proj_bias = Tensor::empty(p.down_proj_bias.shape(), DType::f32);
-  const moekit_experts_gradients c_grads{view(g.hidden_states), view(g.top_k_weights),     view(g.gate_up_proj),
-                                         view(g.down_proj),     view(g.gate_up_proj_bias), view(g.down_proj_bias)};
+  const CallerGradients g(p);
   const moekit_tensor c_grad_out = view(grad_out);
-  ASSERT_EQ(moekit_experts_backward_saved(&c, "grouped_mm", &c_grad_out, &c_grads, nullptr, 0, workspace.data(),
+  ASSERT_EQ(moekit_experts_backward_saved(&c, "grouped_mm", &c_grad_out, &g.c, nullptr, 0, workspace.data(),
                                           backward_bytes, nullptr),
             0)
       << moekit_last_error();
-  EXPECT_TRUE(bitwise_equal(g.hidden_states, expected.hidden_states));
-  EXPECT_TRUE(bitwise_equal(g.top_k_weights, expected.top_k_weights));
-  EXPECT_TRUE(bitwise_equal(g.gate_up_proj, expected.gate_up_proj));
-  EXPECT_TRUE(bitwise_equal(g.down_proj, expected.down_proj));
+  g.expect_equal(expected);
 
   // A null buffer with a size, and a backend without a backward, are errors that say so.
   EXPECT_EQ(

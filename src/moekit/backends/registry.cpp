@@ -120,6 +120,13 @@ void prepare_output(Tensor& t, const Shape& shape, DType dtype, Device device, s
                t.describe());
 }
 
+// A caller's buffer of saved activations: at least `bytes` on `device`, contiguous; `whence` ends the message.
+void check_saved(const Tensor& saved, std::size_t bytes, Device device, std::string_view whence) {
+  MOEKIT_CHECK(saved.device() == device && saved.is_contiguous() && saved.nbytes() >= bytes,
+               "saved activations must be a contiguous tensor of at least ", bytes, " bytes on ", device_name(device),
+               whence, ", got ", saved.describe());
+}
+
 }  // namespace
 
 ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& grad_out, std::string_view backend_name,
@@ -156,10 +163,9 @@ ExpertsGradients experts_backward(const ExpertsProblem& problem, const Tensor& g
   const std::size_t saved_bytes = backend.saved_activation_bytes(problem);
   const bool use_saved = saved.defined() && saved_bytes > 0;
   if (use_saved)
-    MOEKIT_CHECK(saved.device() == device && saved.is_contiguous() && saved.nbytes() >= saved_bytes,
-                 "saved activations must be a contiguous tensor of at least ", saved_bytes, " bytes on ",
-                 device_name(device), " (what experts_forward_saving kept with backend '", backend_name,
-                 "' for this problem), got ", saved.describe());
+    check_saved(
+        saved, saved_bytes, device,
+        " (what experts_forward_saving kept with backend '" + std::string(backend_name) + "' for this problem)");
   const std::size_t bytes =
       use_saved ? backend.saved_backward_workspace_bytes(problem) : backend.backward_workspace_bytes(problem);
   void* ws = prepare_workspace(workspace, bytes, device, backend_name);
@@ -200,9 +206,7 @@ TrainingForward experts_forward_saving(const ExpertsProblem& problem, std::strin
   prepare_output(out, {shape.tokens, shape.hidden}, problem.hidden_states.dtype(), device, "out");
   const std::size_t saved_bytes = backend.saved_activation_bytes(problem);
   if (saved.defined())
-    MOEKIT_CHECK(saved.device() == device && saved.is_contiguous() && saved.nbytes() >= saved_bytes,
-                 "saved activations must be a contiguous tensor of at least ", saved_bytes, " bytes on ",
-                 device_name(device), " for backend '", backend_name, "', got ", saved.describe());
+    check_saved(saved, saved_bytes, device, " for backend '" + std::string(backend_name) + "'");
   else
     saved = Tensor::empty({static_cast<int64_t>(saved_bytes)}, DType::u8, device);
   const std::size_t bytes = backend.saving_workspace_bytes(problem);
