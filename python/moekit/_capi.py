@@ -129,6 +129,16 @@ def _load():
             [problem_p, ctypes.c_char_p, tensor_p, gradients_p, void_p, ctypes.c_size_t, void_p],
             ctypes.c_int,
         ),
+        "moekit_experts_saved_bytes": ([problem_p, ctypes.c_char_p, size_p, size_p, size_p], ctypes.c_int),
+        "moekit_experts_forward_saving": (
+            [problem_p, ctypes.c_char_p, tensor_p, void_p, ctypes.c_size_t, void_p, ctypes.c_size_t, void_p],
+            ctypes.c_int,
+        ),
+        "moekit_experts_backward_saved": (
+            [problem_p, ctypes.c_char_p, tensor_p, gradients_p, void_p, ctypes.c_size_t, void_p, ctypes.c_size_t,
+             void_p],
+            ctypes.c_int,
+        ),
         "moekit_storage_create": (
             [void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(void_p)],
             ctypes.c_int,
@@ -285,6 +295,37 @@ def experts_backward(problem, backend, grad_out, grads, workspace, workspace_byt
             workspace or None,
             workspace_bytes,
             stream or None,
+        )
+    )
+
+
+def experts_saved_bytes(problem, backend):
+    """(saved, forward workspace, backward workspace) bytes of a training step that keeps activations: what
+    the forward keeps for the backward (0 where the backend recomputes), the workspace of the forward that
+    keeps them and of the backward that reads them. Raises, with the reason, where the backend has no
+    backward for the problem."""
+    saved, forward_ws, backward_ws = ctypes.c_size_t(0), ctypes.c_size_t(0), ctypes.c_size_t(0)
+    check(_lib.moekit_experts_saved_bytes(problem, _encode(backend), ctypes.byref(saved), ctypes.byref(forward_ws),
+                                          ctypes.byref(backward_ws)))
+    return saved.value, forward_ws.value, backward_ws.value
+
+
+def experts_forward_saving(problem, backend, out, saved, saved_bytes, workspace, workspace_bytes, stream):
+    """experts_forward that also writes saved_bytes bytes at address saved for experts_backward_saved."""
+    check(
+        _lib.moekit_experts_forward_saving(
+            problem, _encode(backend), out, saved or None, saved_bytes, workspace or None, workspace_bytes,
+            stream or None
+        )
+    )
+
+
+def experts_backward_saved(problem, backend, grad_out, grads, saved, saved_bytes, workspace, workspace_bytes, stream):
+    """experts_backward reading what experts_forward_saving kept for the same problem and inputs."""
+    check(
+        _lib.moekit_experts_backward_saved(
+            problem, _encode(backend), grad_out, grads, saved or None, saved_bytes, workspace or None,
+            workspace_bytes, stream or None
         )
     )
 

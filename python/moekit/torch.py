@@ -1,10 +1,13 @@
 """moekit's experts as a PyTorch op (DESIGN §9): `moekit.torch.experts(...)`.
 
-Two `torch.library` custom ops carry the contract of DESIGN §2 and §2b:
+`torch.library` custom ops carry the contract of DESIGN §2 and §2b:
 - `moekit::experts` (the forward), with a fake kernel for torch.compile and autograd through
 - `moekit::experts_backward`, moekit's own backward, itself an op with a fake kernel, so that a compiled
-  graph's backward holds it as one node.
-Both run on torch's current CUDA stream with workspace from torch's caching allocator and never wait for
+  graph's backward holds it as one node;
+- `moekit::experts_training`, the forward where a gradient is recorded: it also returns the bytes the
+  backend keeps for its backward (uint8; empty where it keeps nothing), which autograd hands to
+- `moekit::experts_backward_saved`, the backward that reads them instead of recomputing.
+All run on torch's current CUDA stream with workspace from torch's caching allocator and never wait for
 the device (the `eager` backend excepted, DESIGN §2), so they can be captured in CUDA graphs.
 """
 
@@ -285,20 +288,42 @@ class _WorkspaceSizes:
         self._bytes = {}
 
     def get(self, problem, views, backend: bytes, backward: bool, tensors, config) -> int:
+        """The workspace bytes of the forward (backward False) or of the backward that recomputes."""
+        return self._remembered(problem, views, backend, backward, tensors, config)
+
+    def training(self, problem, views, backend: bytes, tensors, config) -> Tuple[int, int, int]:
+        """(saved, forward workspace, backward workspace) bytes of a training step: the forward keeps `saved`
+        bytes for the backward, which reads them in place of recomputing. saved is 0 where the backend keeps
+        nothing, and where it has no backward for the problem: then the forward runs as in inference and the
+        backward, when it comes, refuses with its reason."""
+        return self._remembered(problem, views, backend, "training", tensors, config)
+
+    def _remembered(self, problem, views, backend, direction, tensors, config):
         hidden_states, top_k_index, top_k_weights = tensors[:3]
-        key = (backend, backward, config, hidden_states.shape, hidden_states.dtype, top_k_index.shape,
+        key = (backend, direction, config, hidden_states.shape, hidden_states.dtype, top_k_index.shape,
                top_k_index.dtype, top_k_weights.dtype, views[3:])
-        nbytes = self._bytes.get(key)
-        if nbytes is None:
-            ok, reason = _capi.experts_supports(problem, backend, backward)
-            if not ok:
-                what = "the backward of " if backward else ""
-                raise Error(f"moekit backend '{backend.decode()}' cannot run {what}this problem: {reason}")
-            nbytes = _capi.experts_workspace_bytes(problem, backend, backward)
+        value = self._bytes.get(key)
+        if value is None:
+            value = self._ask(problem, views, backend, direction, tensors, config)
             if len(self._bytes) >= self.LIMIT:
                 self._bytes.clear()
-            self._bytes[key] = nbytes
-        return nbytes
+            self._bytes[key] = value
+        return value
+
+    def _ask(self, problem, views, backend, direction, tensors, config):
+        if direction == "training":
+            saved = forward_ws = backward_ws = 0
+            if _capi.experts_supports(problem, backend, True)[0]:
+                saved, forward_ws, backward_ws = _capi.experts_saved_bytes(problem, backend)
+            if saved == 0:
+                forward_ws = self.get(problem, views, backend, False, tensors, config)
+                backward_ws = 0
+            return saved, forward_ws, backward_ws
+        ok, reason = _capi.experts_supports(problem, backend, direction)
+        if not ok:
+            what = "the backward of " if direction else ""
+            raise Error(f"moekit backend '{backend.decode()}' cannot run {what}this problem: {reason}")
+        return _capi.experts_workspace_bytes(problem, backend, direction)
 
 
 _workspace_sizes = _WorkspaceSizes()
@@ -317,10 +342,15 @@ def _prepare(tensors, config, backend: str, backward: bool):
     problem, views = _problem(tensors, config)
     name = _encoded(backend)
     nbytes = _workspace_sizes.get(problem, views, name, backward, tensors, config)
+    return (problem, name, *_workspace(nbytes, tensors[0].device), nbytes)
+
+
+def _workspace(nbytes: int, device: torch.device):
+    """A workspace of nbytes from torch's caching allocator and its address; (None, 0) for none."""
     if nbytes == 0:
-        return problem, name, None, 0, 0
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
-    return problem, name, workspace, workspace.data_ptr(), nbytes
+        return None, 0
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return workspace, workspace.data_ptr()
 
 
 def _stream(device: torch.device) -> int:
@@ -394,6 +424,116 @@ def _experts_fake(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("moekit::experts_training", mutates_args=())
+def _experts_training_op(
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    gate_up_proj_bias: Optional[Tensor],
+    down_proj_bias: Optional[Tensor],
+    gate_up_proj_scale_inv: Optional[Tensor],
+    down_proj_scale_inv: Optional[Tensor],
+    backend: str,
+    activation: str,
+    has_gate: bool,
+    is_transposed: bool,
+    is_concatenated: bool,
+    swiglu_alpha: float,
+    swiglu_limit: Optional[float],
+    weight_format: str,
+) -> Tuple[Tensor, Tensor]:
+    """The forward of a training step: out, and the bytes the backend keeps for its backward (uint8, empty
+    where it keeps nothing and recomputes), which moekit::experts_backward_saved reads."""
+    tensors = _inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
+                      down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv)
+    hidden_states = tensors[0]
+    device = hidden_states.device
+    out = _empty_like(hidden_states)
+    if _no_tokens(hidden_states):
+        return out, torch.empty(0, dtype=torch.uint8, device=device)
+    config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
+    problem, views = _problem(tensors, config)
+    name = _encoded(backend)
+    saved_bytes, nbytes, _ = _workspace_sizes.training(problem, views, name, tensors, config)
+    saved = torch.empty(saved_bytes, dtype=torch.uint8, device=device)
+    workspace, address = _workspace(nbytes, device)
+    with _on_device(device):
+        if saved_bytes:
+            _capi.experts_forward_saving(problem, name, _view(out, "out"), saved.data_ptr(), saved_bytes, address,
+                                         nbytes, _stream(device))
+        else:
+            _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(device))
+    del workspace
+    return out, saved
+
+
+@_experts_training_op.register_fake
+def _experts_training_fake(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *args):
+    # How many bytes a backend keeps depends on the backend and the problem, which only the library knows:
+    # to the tracer it is a size of its own.
+    saved_bytes = torch.library.get_ctx().new_dynamic_size()
+    return (torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
+            hidden_states.new_empty(saved_bytes, dtype=torch.uint8))
+
+
+def _run_backward(grad_out, saved, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                  gate_up_proj_bias, down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv, *config):
+    """The two backward ops' body: from `saved` where it holds bytes, else recomputing the forward's rows."""
+    grad_out = grad_out.contiguous()
+    tensors = _inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
+                      down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv)
+    hidden_states, _, top_k_weights = tensors[:3]
+    has_bias = gate_up_proj_bias is not None
+    if _no_tokens(hidden_states):
+        # No token reached a weight: their gradients are zero.
+        return (
+            _empty_like(hidden_states),
+            _empty_like(top_k_weights),
+            torch.zeros_like(gate_up_proj, memory_format=torch.contiguous_format),
+            torch.zeros_like(down_proj, memory_format=torch.contiguous_format),
+            torch.zeros_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
+            torch.zeros_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
+        )
+    backend, config = config[0], config[1:]
+    grads = [
+        _empty_like(hidden_states),
+        _empty_like(top_k_weights),
+        _empty_like(gate_up_proj),
+        _empty_like(down_proj),
+        _empty_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
+        _empty_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
+    ]
+    grad_views = _capi.gradients((
+        _view(grads[0], "hidden_states"),
+        _view(grads[1], "top_k_weights"),
+        _view(grads[2], "gate_up_proj"),
+        _view(grads[3], "down_proj"),
+        _view(grads[4], "gate_up_proj_bias") if has_bias else _ABSENT,
+        _view(grads[5], "down_proj_bias") if has_bias else _ABSENT,
+    ))
+    device = hidden_states.device
+    with _on_device(device):
+        if saved is not None and saved.numel() > 0:
+            problem, views = _problem(tensors, config)
+            name = _encoded(backend)
+            saved_bytes, _, nbytes = _workspace_sizes.training(problem, views, name, tensors, config)
+            if saved.numel() != saved_bytes or saved.dtype != torch.uint8 or saved.device != device:
+                raise Error(f"moekit::experts_backward_saved: saved is {saved.dtype} [{saved.numel()}] on {saved.device}, "
+                            f"but backend '{backend}' keeps {saved_bytes} uint8 bytes on {device} for this problem: "
+                            "pass what moekit::experts_training returned for the same inputs")
+            workspace, address = _workspace(nbytes, device)
+            _capi.experts_backward_saved(problem, name, _view(grad_out, "grad_out"), grad_views,
+                                         saved.contiguous().data_ptr(), saved_bytes, address, nbytes, _stream(device))
+        else:
+            problem, name, workspace, address, nbytes = _prepare(tensors, config, backend, True)
+            _capi.experts_backward(problem, name, _view(grad_out, "grad_out"), grad_views, address, nbytes,
+                                   _stream(device))
+    del workspace
+    return tuple(grads)
+
+
 @torch.library.custom_op("moekit::experts_backward", mutates_args=())
 def _experts_backward_op(
     grad_out: Tensor,
@@ -416,52 +556,46 @@ def _experts_backward_op(
     weight_format: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients for (hidden_states, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
-    down_proj_bias); the bias gradients are empty tensors when there are no biases."""
-    grad_out = grad_out.contiguous()
-    tensors = _inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
-                      down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv)
-    hidden_states, _, top_k_weights = tensors[:3]
-    has_bias = gate_up_proj_bias is not None
-    if _no_tokens(hidden_states):
-        # No token reached a weight: their gradients are zero.
-        return (
-            _empty_like(hidden_states),
-            _empty_like(top_k_weights),
-            torch.zeros_like(gate_up_proj, memory_format=torch.contiguous_format),
-            torch.zeros_like(down_proj, memory_format=torch.contiguous_format),
-            torch.zeros_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
-            torch.zeros_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
-        )
-    config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
-    problem, name, workspace, address, nbytes = _prepare(tensors, config, backend, True)
-    grads = [
-        _empty_like(hidden_states),
-        _empty_like(top_k_weights),
-        _empty_like(gate_up_proj),
-        _empty_like(down_proj),
-        _empty_like(gate_up_proj_bias) if has_bias else hidden_states.new_empty(0),
-        _empty_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
-    ]
-    grad_views = _capi.gradients((
-        _view(grads[0], "hidden_states"),
-        _view(grads[1], "top_k_weights"),
-        _view(grads[2], "gate_up_proj"),
-        _view(grads[3], "down_proj"),
-        _view(grads[4], "gate_up_proj_bias") if has_bias else _ABSENT,
-        _view(grads[5], "down_proj_bias") if has_bias else _ABSENT,
-    ))
-    with _on_device(hidden_states.device):
-        _capi.experts_backward(
-            problem, name, _view(grad_out, "grad_out"), grad_views, address, nbytes, _stream(hidden_states.device)
-        )
-    del workspace
-    return tuple(grads)
+    down_proj_bias), recomputing the forward's rows; the bias gradients are empty tensors when there are no
+    biases."""
+    return _run_backward(grad_out, None, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                         gate_up_proj_bias, down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv, backend,
+                         activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit,
+                         weight_format)
 
 
-@_experts_backward_op.register_fake
-def _experts_backward_fake(
-    grad_out, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, *config
-):
+@torch.library.custom_op("moekit::experts_backward_saved", mutates_args=())
+def _experts_backward_saved_op(
+    grad_out: Tensor,
+    saved: Tensor,
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    gate_up_proj_bias: Optional[Tensor],
+    down_proj_bias: Optional[Tensor],
+    gate_up_proj_scale_inv: Optional[Tensor],
+    down_proj_scale_inv: Optional[Tensor],
+    backend: str,
+    activation: str,
+    has_gate: bool,
+    is_transposed: bool,
+    is_concatenated: bool,
+    swiglu_alpha: float,
+    swiglu_limit: Optional[float],
+    weight_format: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """moekit::experts_backward reading what moekit::experts_training kept (saved) for the same inputs; an
+    empty `saved` (a backend that keeps nothing) recomputes."""
+    return _run_backward(grad_out, saved, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                         gate_up_proj_bias, down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv, backend,
+                         activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit,
+                         weight_format)
+
+
+def _backward_fake(grad_out, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
+                   down_proj_bias, *config):
     def like(t):
         return torch.empty_like(t, memory_format=torch.contiguous_format)
 
@@ -476,20 +610,21 @@ def _experts_backward_fake(
     )
 
 
+_experts_backward_op.register_fake(_backward_fake)
+
+
+@_experts_backward_saved_op.register_fake
+def _experts_backward_saved_fake(grad_out, saved, *args):
+    return _backward_fake(grad_out, *args)
+
+
 _TENSOR_INPUTS = 9  # hidden_states .. down_proj_scale_inv, then the configuration
 _CONFIG_INPUTS = 8  # backend .. weight_format
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS])
-    ctx.config = inputs[_TENSOR_INPUTS:]
-
-
-def _backward(ctx, grad_out):
-    tensors = ctx.saved_tensors
-    g_hidden, g_weights, g_gate_up, g_down, g_gate_up_bias, g_down_bias = torch.ops.moekit.experts_backward(
-        grad_out, *tensors, *ctx.config
-    )
+def _gradients(tensors, grads):
+    """The autograd gradients of the ops' inputs from the backward op's six results."""
+    g_hidden, g_weights, g_gate_up, g_down, g_gate_up_bias, g_down_bias = grads
     has_bias = tensors[5] is not None
     return (
         g_hidden,
@@ -504,7 +639,31 @@ def _backward(ctx, grad_out):
     ) + (None,) * _CONFIG_INPUTS
 
 
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS])
+    ctx.config = inputs[_TENSOR_INPUTS:]
+
+
+def _backward(ctx, grad_out):
+    tensors = ctx.saved_tensors
+    return _gradients(tensors, torch.ops.moekit.experts_backward(grad_out, *tensors, *ctx.config))
+
+
 _experts_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _setup_training_context(ctx, inputs, output):
+    # The kept bytes live as long as the graph's node: until the backward ran (or the graph is dropped).
+    ctx.save_for_backward(output[1], *inputs[:_TENSOR_INPUTS])
+    ctx.config = inputs[_TENSOR_INPUTS:]
+
+
+def _training_backward(ctx, grad_out, _grad_saved):
+    saved, *tensors = ctx.saved_tensors
+    return _gradients(tensors, torch.ops.moekit.experts_backward_saved(grad_out, saved, *tensors, *ctx.config))
+
+
+_experts_training_op.register_autograd(_training_backward, setup_context=_setup_training_context)
 
 
 def _infer_weight_format(gate_up_proj: Tensor) -> str:
@@ -534,6 +693,7 @@ def experts(
     gate_up_proj_scale_inv: Optional[Tensor] = None,
     down_proj_scale_inv: Optional[Tensor] = None,
     weight_format: Optional[str] = None,
+    save_activations: Optional[bool] = None,
 ) -> Tensor:
     """The experts of one MoE layer (DESIGN §2): for each token t,
     out[t] = sum_k top_k_weights[t, k] * (down_e . act(gate_up_e . x[t] + b1_e) + b2_e), e = top_k_index[t, k];
@@ -547,6 +707,13 @@ def experts(
     packed FP4 pairs [E, N, K/2], with their *_scale_inv; weight_format None infers the format from the
     weights' dtype. Differentiable in hidden_states, top_k_weights, the weights and the biases (unquantised
     experts) through moekit's backward.
+
+    save_activations (None: the process default, set_save_activations, initially True): where a gradient is
+    recorded, let the backend keep what its backward would otherwise recompute. deepgemm and sonicmoe keep
+    the float pre-activations z = x.gate_up^T + b1 (in their padded row order, about
+    (ceil(T*K/128) + min(E, T*K)) * 128 * 2I * 4 bytes per layer, 0.91 GB at Qwen3-30B-A3B with 16,384
+    tokens) until the backward has run, which then skips its z product; the portable backends keep nothing.
+    False recomputes z in the backward: less memory, a slower backward.
     """
     if swiglu_limit is None and swiglu_alpha is not None:
         raise Error("swiglu_alpha is given without swiglu_limit; the GPT-OSS clamped SwiGLU needs both (or only the limit)")
@@ -581,7 +748,25 @@ def experts(
     )
     if _runs_directly(args[:_TENSOR_INPUTS]):
         return _experts_forward(*args)
+    if _save_activations if save_activations is None else save_activations:
+        if _records_gradient(args[:_TENSOR_INPUTS]):
+            return _experts_training_op(*args)[0]
     return _experts_op(*args)
+
+
+_save_activations = True
+
+
+def set_save_activations(enabled: bool) -> None:
+    """The default of experts(save_activations=...) in this process, for callers that do not pass it (the
+    transformers backends of moekit.transformers): False trades the backward's speed for the memory of the
+    kept activations."""
+    global _save_activations
+    _save_activations = bool(enabled)
+
+
+def _records_gradient(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # Tensor types the op's body takes as they are: Parameter only marks a tensor as a module's weight.
@@ -628,4 +813,4 @@ def backends(device="cpu") -> List[BackendInfo]:
     return infos
 
 
-__all__ = ["BackendInfo", "backends", "experts", "invalidate_weights"]
+__all__ = ["BackendInfo", "backends", "experts", "invalidate_weights", "set_save_activations"]

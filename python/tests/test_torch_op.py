@@ -199,7 +199,7 @@ def op_kwargs(case, backend):
     return kw
 
 
-def run_moekit(case, inputs, backend, grad=True):
+def run_moekit(case, inputs, backend, grad=True, save_activations=None):
     """moekit's out and, with grad, the gradients (x, w, gate_up, down, b1, b2)."""
     leaves = {k: v.detach().clone().requires_grad_(grad) if v is not None else None for k, v in inputs.items() if k not in ("idx", "grad_out")}
     out = mt.experts(
@@ -210,6 +210,7 @@ def run_moekit(case, inputs, backend, grad=True):
         leaves["down"],
         gate_up_proj_bias=leaves["b1"],
         down_proj_bias=leaves["b2"],
+        save_activations=save_activations,
         **op_kwargs(case, backend),
     )
     if not grad:
@@ -274,9 +275,9 @@ class ContractTest:
     device = "cpu"
     backends = CPU_BACKENDS
 
-    def check_case(self, case, backend, seed):
+    def check_case(self, case, backend, seed, save_activations=None):
         inputs = make_inputs(case, seed, self.device)
-        out, grads = run_moekit(case, inputs, backend)
+        out, grads = run_moekit(case, inputs, backend, save_activations=save_activations)
         ref_out, ref_grads = run_reference(case, inputs)
         self.assertEqual(out.dtype, case.dtype)
         self.assertEqual(out.device.type, torch.device(self.device).type)
@@ -322,6 +323,24 @@ class CudaContractTest(ContractTest, unittest.TestCase):
             for i, case in enumerate(cases):
                 with self.subTest(backend=backend, case=case.describe()):
                     self.check_case(case, backend, seed=500 + i)
+
+    def test_hopper_backends_keep_activations_or_recompute(self):
+        # The forward where a gradient is recorded keeps the backend's bytes (moekit::experts_training); the
+        # backward reads them. Both that and save_activations=False (recompute) against the float64 reference.
+        case = Case(T=40, H=256, I=128, E=8, K=2, dtype=torch.bfloat16)
+        for backend in ("deepgemm", "sonicmoe"):
+            info = {b.name: b for b in mt.backends("cuda")}[backend]
+            if not info.ok:
+                self.skipTest(f"{backend} does not run on this GPU: {info.reason}")
+            inputs = make_inputs(case, 610, "cuda")
+            out, saved = torch.ops.moekit.experts_training(
+                inputs["x"], inputs["idx"], inputs["w"], inputs["gate_up"], inputs["down"], None, None, None, None,
+                backend, case.activation, case.has_gate, case.is_transposed, case.is_concatenated, 1.702, None, "none")
+            self.assertGreater(saved.numel(), 0, f"{backend} kept nothing for its backward")
+            self.assertEqual(saved.dtype, torch.uint8)
+            for save in (True, False):
+                with self.subTest(backend=backend, save_activations=save):
+                    self.check_case(case, backend, seed=610, save_activations=save)
 
     def test_cuda_graph_capture_forward_backward(self):
         case = Case(T=24, H=64, I=48, E=6, K=2, dtype=torch.bfloat16, bias=True)
@@ -404,6 +423,63 @@ class OpcheckTest(unittest.TestCase):
                 args, grad_out = self._args(case, 20 + i)
                 detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
                 torch.library.opcheck(torch.ops.moekit.experts_backward.default, (grad_out,) + detached)
+
+
+    def test_opcheck_training_forward_and_saved_backward(self):
+        case = Case(T=5, H=16, I=8, E=3, bias=True)
+        args, grad_out = self._args(case, 30)
+        torch.library.opcheck(torch.ops.moekit.experts_training.default, args)
+        detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        _, saved = torch.ops.moekit.experts_training(*detached)
+        torch.library.opcheck(torch.ops.moekit.experts_backward_saved.default, (grad_out, saved) + detached)
+
+
+class SaveActivationsTest(unittest.TestCase):
+    """Which op experts() runs where a gradient is recorded, and what it gives (CPU: the portable backends
+    keep nothing, so both routes compute the same)."""
+
+    case = Case(T=9, H=16, I=8, E=4, K=2, bias=True)
+
+    def ops_run(self, grad, **kwargs):
+        inputs = make_inputs(self.case, 40)
+        names = []
+
+        class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "moekit":
+                    names.append(func._opname)
+                return func(*args, **(kwargs or {}))
+
+        with Recorder():
+            out, grads = run_moekit(self.case, inputs, "grouped_mm", grad=grad, **kwargs)
+        return names, out, grads
+
+    def test_training_op_where_a_gradient_is_recorded(self):
+        names, out, grads = self.ops_run(grad=True)
+        self.assertEqual(names, ["experts_training", "experts_backward_saved"])
+        names, out_recomputed, grads_recomputed = self.ops_run(grad=True, save_activations=False)
+        self.assertEqual(names, ["experts", "experts_backward"])
+        self.assertTrue(torch.equal(out, out_recomputed))
+        for name, a, b in zip(GRAD_NAMES, grads, grads_recomputed):
+            self.assertTrue(torch.equal(a, b), f"{name}: kept and recomputed differ")
+        names, _, _ = self.ops_run(grad=False)
+        self.assertEqual(names, ["experts"])
+
+    def test_process_default(self):
+        try:
+            mt.set_save_activations(False)
+            self.assertEqual(self.ops_run(grad=True)[0], ["experts", "experts_backward"])
+            self.assertEqual(self.ops_run(grad=True, save_activations=True)[0], ["experts_training", "experts_backward_saved"])
+        finally:
+            mt.set_save_activations(True)
+
+    def test_saved_bytes_of_another_problem_are_refused(self):
+        inputs = make_inputs(self.case, 41)
+        args = (inputs["x"], inputs["idx"], inputs["w"], inputs["gate_up"], inputs["down"], inputs["b1"], inputs["b2"],
+                None, None, "grouped_mm", "silu", True, False, True, 1.702, None, "none")
+        with self.assertRaises(moekit.Error) as e:
+            torch.ops.moekit.experts_backward_saved(inputs["grad_out"], torch.zeros(64, dtype=torch.uint8), *args)
+        self.assertIn("keeps 0 uint8 bytes", str(e.exception))
 
 
 class PackingCacheTest(unittest.TestCase):
