@@ -710,9 +710,8 @@ def experts(
 
     save_activations (None: the process default, set_save_activations, initially True): where a gradient is
     recorded, let the backend keep what its backward would otherwise recompute. deepgemm and sonicmoe keep
-    the float pre-activations z = x.gate_up^T + b1 (in their padded row order, about
-    (ceil(T*K/128) + min(E, T*K)) * 128 * 2I * 4 bytes per layer, 0.91 GB at Qwen3-30B-A3B with 16,384
-    tokens) until the backward has run, which then skips its z product; the portable backends keep nothing.
+    the float pre-activations z = x.gate_up^T + b1 (T*K * 2I * 4 bytes per layer, 0.81 GB at Qwen3-30B-A3B
+    with 16,384 tokens) until the backward has run, which then skips its z product; the portable backends keep nothing.
     False recomputes z in the backward: less memory, a slower backward.
     """
     if swiglu_limit is None and swiglu_alpha is not None:

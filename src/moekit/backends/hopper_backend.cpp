@@ -131,6 +131,18 @@ std::size_t HopperBackend::saving_workspace_bytes(const ExpertsProblem& p) const
 #endif
 }
 
+std::size_t HopperBackend::saved_backward_workspace_bytes(const ExpertsProblem& p) const {
+#if MOEKIT_HAS_CUDA
+  if (saved_activation_bytes(p) == 0) return backward_workspace_bytes(p);
+  cuda::ExpertsBackwardArgs args = cuda_backward_args(p);
+  args.saved_z = reinterpret_cast<const float*>(alignof(float));  // any non-null z: the workspace without z's own
+  return cuda_.backward_workspace_bytes(args);
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
 void HopperBackend::forward_saving(const ExpertsProblem& p, Tensor& out, void* saved, void* workspace, Stream stream) {
 #if MOEKIT_HAS_CUDA
   cuda::ExpertsArgs args = cuda_args(p, &out);

@@ -26,10 +26,11 @@ class HopperBackend : public ExpertsBackend {
   std::size_t backward_workspace_bytes(const ExpertsProblem& p) const override;
   void backward(const ExpertsProblem& p, const Tensor& grad_out, ExpertsGradients& grads, void* workspace,
                 Stream stream) override;
-  // A training step's forward keeps z (the first projection plus its bias, float, in the padded layout) and the
-  // backward reads it instead of recomputing that product (cuda::hopper_saved_z_bytes).
+  // A training step's forward keeps z (the first projection plus its bias, float, one row per routed pair in sorted
+  // order) and the backward reads it instead of recomputing that product (cuda::hopper_saved_z_bytes).
   std::size_t saved_activation_bytes(const ExpertsProblem& p) const override;
   std::size_t saving_workspace_bytes(const ExpertsProblem& p) const override;
+  std::size_t saved_backward_workspace_bytes(const ExpertsProblem& p) const override;
   void forward_saving(const ExpertsProblem& p, Tensor& out, void* saved, void* workspace, Stream stream) override;
   void backward_saved(const ExpertsProblem& p, const Tensor& grad_out, const void* saved, ExpertsGradients& grads,
                       void* workspace, Stream stream) override;

@@ -17,14 +17,16 @@ struct BackwardLayout {
   std::size_t z, dz, wa, dx, partials, row_token, total;
 };
 
-BackwardLayout backward_layout(const ExpertsArgs& a) {
+// With z kept by the forward (b.saved_z, the Hopper backward), z's buffer holds x's sorted copy only.
+BackwardLayout backward_layout(const ExpertsBackwardArgs& b) {
+  const ExpertsArgs& a = b.a;
   const int64_t P = a.tokens * a.top_k, N = a.has_gate ? 2 * a.intermediate : a.intermediate;
-  auto round = [](std::size_t b) { return (b + 255) / 256 * 256; };
+  auto round = [](std::size_t n) { return (n + 255) / 256 * 256; };
   auto bytes = [](int64_t n, std::size_t size) { return static_cast<std::size_t>(n) * size; };
   const std::size_t element = dtype_size(a.dtype);
   BackwardLayout l;
   l.z = kRoutingOffset + round(routing_workspace_bytes(P, a.experts));
-  l.dz = l.z + round(bytes(P * N, sizeof(float)));
+  l.dz = l.z + round(b.saved_z ? bytes(P * a.hidden, element) : bytes(P * N, sizeof(float)));
   l.wa = l.dz + round(bytes(P * N, element));
   l.dx = l.wa + round(bytes(P * a.intermediate, element));
   l.partials = l.dx + round(bytes(P * a.hidden, element));
@@ -134,12 +136,12 @@ void backward_on_device_schedule(const ExpertsBackwardArgs& b, void* workspace, 
 }  // namespace
 
 std::size_t backward_buffers_bytes(const ExpertsBackwardArgs& b) {
-  return backward_layout(b.a).total;
+  return backward_layout(b).total;
 }
 
 BackwardProblem backward_buffers(const ExpertsBackwardArgs& b, void* workspace) {
   MOEKIT_CHECK(!b.a.quantized(), "experts backward: quantised weights have no backward (refused earlier)");
-  const BackwardLayout l = backward_layout(b.a);
+  const BackwardLayout l = backward_layout(b);
   char* base = static_cast<char*>(workspace);
   BackwardProblem p;
   p.b = b;

@@ -50,7 +50,7 @@ struct ExpertsArgs {
   const void* down_scale = nullptr;
   void* out = nullptr;  // [T, H]
   // The Hopper forward of a training step (hopper_saved_z_bytes): z = x @ up_e^T + b1 as float, written beside out in
-  // the padded layout of its routing ([padded rows, N], the weights' columns) for the Hopper backward. Null: not kept.
+  // the sorted order of its routing ([pairs, N], the weights' columns) for the Hopper backward. Null: not kept.
   float* save_z = nullptr;
 
   MOEKIT_HOST_DEVICE bool fp8() const { return weights == WeightFormat::fp8_e4m3; }
@@ -72,7 +72,7 @@ struct ExpertsBackwardArgs {
   void* grad_up_bias = nullptr;          // [E, N] dtype or null
   void* grad_down_bias = nullptr;        // [E, H] dtype or null
   // The Hopper backward: the z its forward kept (ExpertsArgs::save_z, same problem), read in place of recomputing
-  // it. Null: recomputed.
+  // it; its workspace (backward_buffers_bytes) then holds no z of its own. Null: recomputed.
   const float* saved_z = nullptr;
 };
 
@@ -107,8 +107,8 @@ void sonicmoe_forward(const ExpertsArgs& a, void* workspace, cudaStream_t stream
 // wgmma, token rows gathered in the operand loads, the activation's backward in an epilogue (bf16/f16,
 // untransposed, H and I multiples of 8, 16-byte aligned; the backends check). No host synchronisation.
 std::size_t hopper_backward_workspace_bytes(const ExpertsBackwardArgs& b);
-// Bytes of the z a Hopper forward keeps for its backward (ExpertsArgs::save_z): float [padded rows, N], the padded
-// layout's worst case. A forward that keeps it always runs the grouped GEMM (never the decode-size path).
+// Bytes of the z a Hopper forward keeps for its backward (ExpertsArgs::save_z): float [pairs, N]. A forward that keeps
+// it always runs the grouped GEMM (never the decode-size path).
 std::size_t hopper_saved_z_bytes(const ExpertsArgs& a);
 void hopper_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t stream);
 // Whether the Hopper kernels run this problem on the current device (grouped_mm uses them there): bf16/f16,

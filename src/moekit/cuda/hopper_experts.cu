@@ -325,7 +325,8 @@ void forward_typed(const ExpertsArgs& a, void* workspace, Variant v, cudaStream_
                             .outputs = a.intermediate,
                             .out = quantized_up ? static_cast<void*>(hidden_q) : hidden,
                             .out_scales = quantized_up ? hidden_scales : nullptr,
-                            .save_z = a.save_z};
+                            .save_z = a.save_z,
+                            .save_z_offsets = r.offsets};
     auto launch_up = [&]<Epilogue kEpi>() {
       if constexpr (!kFp8)
         if (gather) return run_projection<T, kEpi, true, false>(a, r.tile_offsets, padded_pair, max_tiles, up, stream);
@@ -391,7 +392,7 @@ bool hopper_gemm_runs(const ExpertsArgs& a) {
 
 std::size_t hopper_saved_z_bytes(const ExpertsArgs& a) {
   const int64_t N = a.has_gate ? 2 * a.intermediate : a.intermediate;
-  return static_cast<std::size_t>(max_row_tiles(a) * kBlockM * N) * sizeof(float);
+  return static_cast<std::size_t>(a.tokens * a.top_k * N) * sizeof(float);
 }
 
 bool hopper_decode_streams(const ExpertsArgs& a) {

@@ -10,8 +10,8 @@
 // where xs and gs are x and grad_out copied in the sorted order into buffers free by then (z's and dx's); where they
 // do not fit (H > 2N), the weight gradients gather the token rows in their loads instead (grad_up as x^T dz, stored
 // transposed, so that the gathered operand is the two-chunk A).
-// z is the one the forward kept where it did (ExpertsBackwardArgs::saved_z, in the padded layout of the same
-// routing): then the first product is not run at all.
+// z is the one the forward kept where it did (ExpertsBackwardArgs::saved_z, in the sorted order of the same
+// routing): then the first product is not run at all, and z's buffer holds only x's sorted copy.
 // Launches are sized from host-known bounds and read the tile counts on the device: no host synchronisation, no
 // allocation, so a training step captures in a CUDA graph.
 #include <algorithm>
@@ -118,7 +118,7 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   const CUtensorMap up_map = chunk_map(a.up, t, H, N, E), down_map = chunk_map(a.down, t, I, H, E);
   const CUtensorMap dz_map = chunk_map(p.dz, t, N, rows, 1), wa_map = chunk_map(p.wa, t, I, rows, 1);
 
-  // z = x @ up_e^T + b1, float: the one the forward kept (its padded layout), or recomputed here (sorted rows).
+  // z = x @ up_e^T + b1, float [P, N] in the sorted order: the one the forward kept, or recomputed here.
   const bool saved_z = p.b.saved_z != nullptr;
   if (!saved_z) {
     Params z = base;
@@ -134,11 +134,9 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   g.A = Operand{p.b.grad_out, H, 0, p.row_token, H};
   g.B = Operand{a.down, I, H * I, nullptr, I};
   g.n = I, g.k = H, g.n_blocks = blocks_of(I, sm90_backward::kBlockN);
-  g.z_padded = saved_z;
   g.dz = p.dz, g.wa = p.wa, g.route_partials = p.route_partials, g.partial_blocks = p.partial_blocks;
-  const CUtensorMap g_z_map = saved_z ? z_map(p.b.saved_z, N, max_tiles * sm90_backward::kBlockM) : z_map(p.z, N, rows);
   launch<T, Major::k, Major::mn, true, false, Grouping::rows, Epilogue::activation_gradient>(
-      {down_map, down_map, g_z_map}, g, max_tiles * g.n_blocks, stream);
+      {down_map, down_map, z_map(saved_z ? p.b.saved_z : p.z, N, rows)}, g, max_tiles * g.n_blocks, stream);
 
   Params dx = base;  // dx = dz @ up_e
   dx.A = Operand{p.dz, N, 0, nullptr, N};
@@ -151,10 +149,10 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   finish_token_gradients(p, stream);
 
   // The weight gradients reduce over each expert's token rows. Where x and grad_out sorted by expert fit in the
-  // buffers that are free by now (x in z's, grad_out in dx's: H <= 2N, true of every MoE model we know), they are
-  // copied there once, so that both gradients read every operand by the copy engine; otherwise they gather the
-  // token rows by cp.async.
-  const bool sorted_copies = H <= 2 * N && P > 0;
+  // buffers that are free by now (x in z's, grad_out in dx's: H <= 2N, true of every MoE model we know; with z kept
+  // by the forward, z's buffer is sized for x), they are copied there once, so that both gradients read every operand
+  // by the copy engine; otherwise they gather the token rows by cp.async.
+  const bool sorted_copies = (saved_z || H <= 2 * N) && P > 0;
   // The weight gradients' outputs [E][m][n], for the copy engine's stores (store_weights).
   const CUtensorMap grad_up_map = chunk_map(p.b.grad_up, t, H, N, E),
                     grad_down_map = chunk_map(p.b.grad_down, t, I, H, E);

@@ -101,9 +101,7 @@ struct Params {
   int m_blocks = 0, n_blocks = 0;
   void* out = nullptr;
   int64_t ld_out = 0, out_expert_stride = 0;
-  // activation_gradient (z comes through the kernel's z_map: rows in the sorted order, or with z_padded the forward's
-  // padded layout, a row tile's rows from tile * kBlockM on)
-  bool z_padded = false;
+  // activation_gradient (z comes through the kernel's z_map)
   void* dz = nullptr;
   void* wa = nullptr;
   float* route_partials = nullptr;
@@ -176,7 +174,6 @@ __device__ __forceinline__ void chunk_rows(const Operand& o, int64_t first_row, 
 struct Unit {
   int64_t expert = 0;
   int64_t row_begin = 0, row_end = 0;  // rows grouping: the tile's sorted rows
-  int64_t tile_row = 0;                // rows grouping: the tile's first row in the padded layout
   int64_t m0 = 0, n0 = 0;
   int64_t k_begin = 0, k_end = 0;
 };
@@ -200,7 +197,6 @@ __device__ __forceinline__ Unit unit_of(const Params& p, int64_t u, int64_t& hin
     w.expert = expert_of_from_warp(p.r.tile_offsets, p.a.experts, tile, hint);
     hint = w.expert;
     w.row_begin = p.r.offsets[w.expert] + (tile - p.r.tile_offsets[w.expert]) * kBlockM;
-    w.tile_row = tile * kBlockM;
     w.row_end = min(w.row_begin + kBlockM, int64_t{p.r.offsets[w.expert + 1]});
     w.k_begin = 0;
     w.k_end = p.k;
@@ -549,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             uint8_t* sz = smem + stage * kStageBytes;
             TxBarrier::arrive_and_expect_tx(&full[stage], a.has_gate ? 2 * kZBoxBytes : kZBoxBytes);
             const int64_t col = w.n0 + s * kZCols;
-            const int row = static_cast<int>(p.z_padded ? w.tile_row : w.row_begin);
+            const int row = static_cast<int>(w.row_begin);
             const int64_t first = a.has_gate && !a.concatenated ? 2 * col : col;
             const int64_t second = a.concatenated ? a.intermediate + col : first + kZCols;
             cute::SM90_TMA_LOAD_2D::copy(&c_map, &full[stage], kHint, sz, static_cast<int>(first), row);

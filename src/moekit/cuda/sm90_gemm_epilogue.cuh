@@ -124,7 +124,21 @@ __device__ __forceinline__ float4 gate_up_pair(const ExpertsArgs& a, const float
   }
   return make_float4(g0, g1, u0, u1);
 }
-// A gate_up_pair's z (gate j, j + 1 and up j, j + 1) into its padded row `z` of the first projection's float output
+// Where this thread's two rows of a warpgroup's 64 (rows r and r + 8: accumulator elements i with (i >> 1) & 1 = 0,
+// 1) keep their z: the rows of `z_out`, n values each, of their sorted rows (GemmParams::z_row_offsets), or null for
+// rows past the expert's.
+__device__ __forceinline__ void z_rows_of(const GemmParams& p, int64_t expert, int64_t row_base, int64_t n,
+                                          float* (&rows)[2]) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int64_t first = int64_t{p.z_row_offsets[expert]} - int64_t{p.tile_offsets[expert]} * kBlockM;
+  const int64_t end = p.z_row_offsets[expert + 1];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = first + row_base + acc_row(warp, lane, 2 * h);
+    rows[h] = row < end ? p.z_out + row * n : nullptr;
+  }
+}
+// A gate_up_pair's z (gate j, j + 1 and up j, j + 1) into its row `z` of the first projection's float output
 // kept for the backward, at the weights' columns (gate_col, up_col): two float2 (concatenated; a quad's four lanes
 // write 32 contiguous bytes of each half) or one float4 of (g, u) pairs (interleaved).
 __device__ __forceinline__ void save_gate_up_z(const ExpertsArgs& a, float* z, int64_t j, float4 v) {
@@ -235,6 +249,8 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     const bool is_silu = a.act == Act::silu;
     // kSaveZ: z (gate and up with their biases) kept as float for the backward too, at the weights' own columns.
     auto epilogue = [&]<bool kSaveZ>() {
+      float* z_row[2] = {nullptr, nullptr};
+      if constexpr (kSaveZ) z_rows_of(p, expert, row_base, N, z_row);
 #pragma unroll
       for (int m = 0; m < kHalf / 8; ++m) {
         uint32_t words[4];
@@ -245,7 +261,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
           // outputs is a multiple of 8, so j + 1 is inside when j is
           const float4 v = gate_up_pair<T, BN>(a, acc, j < p.outputs ? bias : nullptr, j, i);
           if constexpr (kSaveZ)
-            if (j < p.outputs) save_gate_up_z(a, p.z_out + (row_base + acc_row(warp, lane, i)) * N, j, v);
+            if (j < p.outputs && z_row[k & 1]) save_gate_up_z(a, z_row[k & 1], j, v);
           const float2 h = is_silu ? activate_gate_up<true>(a, v) : activate_gate_up<false>(a, v);
           if constexpr (kStaged)
             stage_pair<O, BN / 2>(staged, acc_row(warp, lane, i), acc_col(lane, i), h);
@@ -273,6 +289,8 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
     const int64_t first_col = col_base + (lane % 4) * 2;
     if (bias) bias += expert * p.outputs + first_col;
     const int left = static_cast<int>(min(p.outputs - first_col, int64_t{BN}));
+    float* z_row[2] = {nullptr, nullptr};  // activation, keeping z: this thread's two rows of it
+    if (kEpi == Epilogue::activation && p.z_out) z_rows_of(p, expert, row_base, p.outputs, z_row);
 #pragma unroll
     for (int m = 0; m < BN / 16; ++m) {
       uint32_t words[4], b[2] = {0, 0};  // the biases of column groups 2m and 2m + 1
@@ -287,9 +305,7 @@ __device__ __forceinline__ void store_epilogue(const GemmParams& p, const float*
         const float v0 = acc[i] + bk.x, v1 = acc[i + 1] + bk.y;
         float2 v;
         if constexpr (kEpi == Epilogue::activation) {
-          if (p.z_out && j < p.outputs)
-            *reinterpret_cast<float2*>(p.z_out + (row_base + acc_row(warp, lane, i)) * p.outputs + j) =
-                make_float2(v0, v1);
+          if (z_row[k & 1] && j < p.outputs) *reinterpret_cast<float2*>(z_row[k & 1] + j) = make_float2(v0, v1);
           v = activated_pair(a.act, a.has_gate, a.swiglu_limit, a.swiglu_alpha, v0, 0.0f, v1, 0.0f);
         } else {
           const float w = weight[k & 1];

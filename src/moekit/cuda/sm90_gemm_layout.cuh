@@ -52,8 +52,11 @@ struct GemmParams {
   int64_t outputs = 0;                    // valid output columns (I for the first projection, H for the second)
   void* out = nullptr;                    // [rows, outputs] in T
   // First projections (gated, activation) of a forward that keeps z for the backward: the accumulators plus the
-  // biases, float [rows, N] at the weights' columns (N = 2 * outputs gated). Null: not kept.
+  // biases, float [sorted rows, N] at the weights' columns (N = 2 * outputs gated), padded row tile_offsets[e] * 128 +
+  // i of expert e at sorted row z_row_offsets[e] + i (the routing's offsets), rows past the expert's not stored.
+  // Null: not kept.
   float* z_out = nullptr;
+  const int32_t* z_row_offsets = nullptr;
   // [rows]: the (token, slot) pair of each padded row, -1 for padding. Read by the gathering producer
   // and, when weight_rows, by the store epilogue.
   const int32_t* padded_pair = nullptr;

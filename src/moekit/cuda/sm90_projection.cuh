@@ -149,6 +149,7 @@ void run_projection(const ExpertsArgs& a, const int32_t* tile_offsets, const int
   p.out = j.out;
   p.out_scales = j.out_scales;
   p.z_out = kFp8 ? nullptr : j.save_z;
+  p.z_row_offsets = j.save_z_offsets;
   p.out_scale_rows = M;
   p.b_scales = j.weight_scales;
   p.b_scale_rows = (N + 127) / 128;

@@ -31,7 +31,8 @@ struct GemmProjection {
   void* out = nullptr;
   float* out_scales = nullptr;  // gated_e4m3: the codes' scales [outputs / 128, rows of the layout]
   float* save_z = nullptr;      // gated / activation, 2-byte operands: z kept for the backward (GemmParams::z_out)
-  bool weighted = false;        // store multiplies each row by its pair's routing weight
+  const int32_t* save_z_offsets = nullptr;  // with save_z: the routing's offsets [E + 1], z's rows (z_row_offsets)
+  bool weighted = false;                    // store multiplies each row by its pair's routing weight
   // The masked layout (hopper::GemmParams): rows per group and each group's own rows.
   const int32_t* masked_m = nullptr;
   int64_t masked_rows = 0;
