@@ -335,16 +335,6 @@ def _inputs(hidden_states, top_k_index, top_k_weights, *weights):
     return (hidden_states.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), *weights)
 
 
-def _prepare(tensors, config, backend: str, backward: bool):
-    """The backend's life before it runs (DESIGN §5): the C problem, supports -> workspace. Returns the
-    problem, the backend's C name, the workspace tensor (kept alive by the caller until the call is queued)
-    and its address and size."""
-    problem, views = _problem(tensors, config)
-    name = _encoded(backend)
-    nbytes = _workspace_sizes.get(problem, views, name, backward, tensors, config)
-    return (problem, name, *_workspace(nbytes, tensors[0].device), nbytes)
-
-
 def _workspace(nbytes: int, device: torch.device):
     """A workspace of nbytes from torch's caching allocator and its address; (None, 0) for none."""
     if nbytes == 0:
@@ -401,19 +391,40 @@ def _experts_forward(
     swiglu_limit: Optional[float],
     weight_format: str,
 ) -> Tensor:
+    return _run_forward(False, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                        gate_up_proj_bias, down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv, backend,
+                        activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit,
+                        weight_format)[0]
+
+
+def _run_forward(saving, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
+                 down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv, backend, *config):
+    """The two forward ops' body: (out, saved), saved being, with `saving`, the bytes the backend keeps for
+    its backward (uint8, empty where it keeps nothing), else None."""
     tensors = _inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
                       down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv)
     hidden_states = tensors[0]
+    device = hidden_states.device
     out = _empty_like(hidden_states)
     if _no_tokens(hidden_states):
-        return out
-    config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
-    problem, name, workspace, address, nbytes = _prepare(tensors, config, backend, False)
-    device = hidden_states.device
+        return out, torch.empty(0, dtype=torch.uint8, device=device) if saving else None
+    problem, views = _problem(tensors, config)
+    name = _encoded(backend)
+    saved = None
+    if saving:
+        saved_bytes, nbytes, _ = _workspace_sizes.training(problem, views, name, tensors, config)
+        saved = torch.empty(saved_bytes, dtype=torch.uint8, device=device)
+    else:
+        nbytes = _workspace_sizes.get(problem, views, name, False, tensors, config)
+    workspace, address = _workspace(nbytes, device)
     with _on_device(device):
-        _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(device))
+        if saved is not None and saved.numel() > 0:
+            _capi.experts_forward_saving(problem, name, _view(out, "out"), saved.data_ptr(), saved.numel(), address,
+                                         nbytes, _stream(device))
+        else:
+            _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(device))
     del workspace  # freed stream-ordered after the queued call
-    return out
+    return out, saved
 
 
 _experts_op = torch.library.custom_op("moekit::experts", _experts_forward, mutates_args=())
@@ -446,27 +457,10 @@ def _experts_training_op(
 ) -> Tuple[Tensor, Tensor]:
     """The forward of a training step: out, and the bytes the backend keeps for its backward (uint8, empty
     where it keeps nothing and recomputes), which moekit::experts_backward_saved reads."""
-    tensors = _inputs(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_bias,
-                      down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv)
-    hidden_states = tensors[0]
-    device = hidden_states.device
-    out = _empty_like(hidden_states)
-    if _no_tokens(hidden_states):
-        return out, torch.empty(0, dtype=torch.uint8, device=device)
-    config = (activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit, weight_format)
-    problem, views = _problem(tensors, config)
-    name = _encoded(backend)
-    saved_bytes, nbytes, _ = _workspace_sizes.training(problem, views, name, tensors, config)
-    saved = torch.empty(saved_bytes, dtype=torch.uint8, device=device)
-    workspace, address = _workspace(nbytes, device)
-    with _on_device(device):
-        if saved_bytes:
-            _capi.experts_forward_saving(problem, name, _view(out, "out"), saved.data_ptr(), saved_bytes, address,
-                                         nbytes, _stream(device))
-        else:
-            _capi.experts_forward(problem, name, _view(out, "out"), address, nbytes, _stream(device))
-    del workspace
-    return out, saved
+    return _run_forward(True, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                        gate_up_proj_bias, down_proj_bias, gate_up_proj_scale_inv, down_proj_scale_inv, backend,
+                        activation, has_gate, is_transposed, is_concatenated, swiglu_alpha, swiglu_limit,
+                        weight_format)
 
 
 @_experts_training_op.register_fake
@@ -497,6 +491,19 @@ def _run_backward(grad_out, saved, hidden_states, top_k_index, top_k_weights, ga
             torch.zeros_like(down_proj_bias) if has_bias else hidden_states.new_empty(0),
         )
     backend, config = config[0], config[1:]
+    # The backend says whether it runs this problem before any gradient is allocated.
+    device = hidden_states.device
+    problem, views = _problem(tensors, config)
+    name = _encoded(backend)
+    from_saved = saved is not None and saved.numel() > 0
+    if from_saved:
+        saved_bytes, _, nbytes = _workspace_sizes.training(problem, views, name, tensors, config)
+        if saved.numel() != saved_bytes or saved.dtype != torch.uint8 or saved.device != device:
+            raise Error(f"moekit::experts_backward_saved: saved is {saved.dtype} [{saved.numel()}] on {saved.device}, "
+                        f"but backend '{backend}' keeps {saved_bytes} uint8 bytes on {device} for this problem: "
+                        "pass what moekit::experts_training returned for the same inputs")
+    else:
+        nbytes = _workspace_sizes.get(problem, views, name, True, tensors, config)
     grads = [
         _empty_like(hidden_states),
         _empty_like(top_k_weights),
@@ -513,21 +520,12 @@ def _run_backward(grad_out, saved, hidden_states, top_k_index, top_k_weights, ga
         _view(grads[4], "gate_up_proj_bias") if has_bias else _ABSENT,
         _view(grads[5], "down_proj_bias") if has_bias else _ABSENT,
     ))
-    device = hidden_states.device
+    workspace, address = _workspace(nbytes, device)
     with _on_device(device):
-        if saved is not None and saved.numel() > 0:
-            problem, views = _problem(tensors, config)
-            name = _encoded(backend)
-            saved_bytes, _, nbytes = _workspace_sizes.training(problem, views, name, tensors, config)
-            if saved.numel() != saved_bytes or saved.dtype != torch.uint8 or saved.device != device:
-                raise Error(f"moekit::experts_backward_saved: saved is {saved.dtype} [{saved.numel()}] on {saved.device}, "
-                            f"but backend '{backend}' keeps {saved_bytes} uint8 bytes on {device} for this problem: "
-                            "pass what moekit::experts_training returned for the same inputs")
-            workspace, address = _workspace(nbytes, device)
+        if from_saved:
             _capi.experts_backward_saved(problem, name, _view(grad_out, "grad_out"), grad_views,
                                          saved.contiguous().data_ptr(), saved_bytes, address, nbytes, _stream(device))
         else:
-            problem, name, workspace, address, nbytes = _prepare(tensors, config, backend, True)
             _capi.experts_backward(problem, name, _view(grad_out, "grad_out"), grad_views, address, nbytes,
                                    _stream(device))
     del workspace
