@@ -618,8 +618,11 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
                                                   bytes(problem.gate_up_proj) + bytes(problem.down_proj) +
                                                   bytes(problem.gate_up_proj_bias) + bytes(problem.down_proj_bias)
                                             : 0.0;  // grad_out and the gradients
-  row.call_memory_bytes = out_bytes + static_cast<double>(row.workspace_bytes) +
-                          static_cast<double>(backward_workspace) + static_cast<double>(saved_bytes) + gradient_bytes;
+  // One workspace for the forward and the backward, as a training step reuses it: the backward runs after the forward
+  // on the same stream and reads nothing of the forward's workspace (what it needs from the forward is `saved`).
+  const std::size_t call_workspace = std::max(row.workspace_bytes, backward_workspace);
+  row.call_memory_bytes =
+      out_bytes + static_cast<double>(call_workspace) + static_cast<double>(saved_bytes) + gradient_bytes;
   const double total = resident_bytes + row.call_memory_bytes;
   if (total > budget_bytes_) {
     row.status = RowStatus::skipped;
@@ -636,17 +639,15 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
     Tensor out = Tensor::empty({row.tokens, problem.hidden_states.size(1)}, dtype_, device_);
     // The workspace is allocated once, outside the timed region, as a serving loop would.
     Tensor workspace =
-        Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(row.workspace_bytes, 1))}, DType::u8, device_);
-    // With --backward, grad_out, the gradients and the backward's workspace too, allocated once.
-    Tensor grad_out, backward_workspace_tensor, saved;
+        Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(call_workspace, 1))}, DType::u8, device_);
+    // With --backward, grad_out and the gradients too, allocated once.
+    Tensor grad_out, saved;
     ExpertsGradients grads;
     if (o_.backward) {
       grad_out = Tensor::empty(out.shape(), DType::f32);
       fill_uniform(grad_out, 1.0f, o_.seed + 17);
       grad_out = grad_out.to(dtype_).to(device_);
       grads = experts_backward(problem, grad_out, name, ExpertsGradients(), stream_->stream());  // allocates them
-      backward_workspace_tensor =
-          Tensor::empty({static_cast<int64_t>(std::max<std::size_t>(backward_workspace, 1))}, DType::u8, device_);
       if (saved_bytes > 0) saved = Tensor::empty({static_cast<int64_t>(saved_bytes)}, DType::u8, device_);
     }
     const auto call = [&] {
@@ -654,8 +655,7 @@ void Sweep::time_backend(const std::string& name, const ExpertsProblem& problem,
         experts_forward_saving(problem, name, out, saved, stream_->stream(), workspace);
       else
         experts_forward(problem, name, out, stream_->stream(), workspace);
-      if (o_.backward)
-        experts_backward(problem, grad_out, name, grads, stream_->stream(), backward_workspace_tensor, saved);
+      if (o_.backward) experts_backward(problem, grad_out, name, grads, stream_->stream(), workspace, saved);
     };
     DeviceTimer timer(*stream_);
     std::unique_ptr<CapturedGraph> graph;
@@ -748,8 +748,8 @@ void add_bench_command(CLI::App& app) {
         "cannot be captured)");
   f.add("--backward", o.backward,
         "Time forward + backward (DESIGN §2b) per call: FLOPs 18·pairs·H·I gated (6 forward, 12 backward); the floor "
-        "reads the touched weights twice and writes their gradients; call GB adds the gradients and the backward's "
-        "workspace");
+        "reads the touched weights twice and writes their gradients; call GB adds the gradients and what the forward "
+        "keeps, with one workspace for both calls (the larger of the two), as a training step reuses it");
   f.add("--recompute", o.recompute,
         "With --backward: run the backward that recomputes what it needs, also for backends whose forward can keep "
         "activations for it (deepgemm, sonicmoe keep z; the kernel column says so and call GB counts them)");
