@@ -45,7 +45,7 @@ TEST(KernelOptions, DescribeNamesEveryFieldAndSetRoundTrips) {
     const std::string text = describe(now);
     for (const char* field :
          {"grouped_mm_hopper_kernels=", "grouped_mm_gathered_rows=", "hopper_clusters=", "hopper_idle_padding=",
-          "hopper_decode_streaming=", "batched_mm_tensor_cores=", "cpu_fp8_own_kernel="})
+          "hopper_decode_streaming=", "hopper_backward_blocks=", "batched_mm_tensor_cores=", "cpu_fp8_own_kernel="})
       EXPECT_TRUE(contains(text, field)) << text;
     EXPECT_TRUE(contains(text, std::string("hopper_clusters=") + (o.hopper_clusters ? "1" : "0"))) << text;
   }

@@ -25,6 +25,10 @@ struct KernelOptions {
   // deepgemm and sonicmoe run batched_mm's weight-streaming kernels at decode sizes (few pairs, about one an
   // expert); false: their grouped GEMMs at every size. MOEKIT_HOPPER_DECODE_STREAMING=0 sets it false.
   bool hopper_decode_streaming = true;
+  // The Hopper backward's persistent GEMMs launch at most this many blocks (0: one a multiprocessor), so that each
+  // block takes many units: the tests' small problems then wrap every ring, as model-sized problems do.
+  // MOEKIT_HOPPER_BACKWARD_BLOCKS=N sets it.
+  int hopper_backward_blocks = 0;
   // CUDA batched_mm reads FP8 / FP4 weights on the tensor cores (Hopper); false: its older CUDA-core kernels.
   // MOEKIT_BATCHED_MM_TENSOR_CORES=0 sets it false.
   bool batched_mm_tensor_cores = true;

@@ -1,11 +1,23 @@
 #include "moekit/kernel_options.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 
 namespace moekit {
 namespace {
+
+// A non-negative integer from the environment; `fallback` where the variable is unset or (said on stderr) not one.
+int env_count(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end == '\0' && n >= 0 && n <= 1 << 20) return static_cast<int>(n);
+  std::fprintf(stderr, "moekit: ignoring %s=%s (not a count from 0 to 1048576)\n", name, v);
+  return fallback;
+}
 
 bool env_is(const char* name, const char* value) {
   const char* v = std::getenv(name);
@@ -19,6 +31,7 @@ KernelOptions from_environment() {
   o.hopper_clusters = !env_is("MOEKIT_DEEPGEMM_CLUSTER", "1");
   o.hopper_idle_padding = !env_is("MOEKIT_HOPPER_IDLE_PADDING", "0");
   o.hopper_decode_streaming = !env_is("MOEKIT_HOPPER_DECODE_STREAMING", "0");
+  o.hopper_backward_blocks = env_count("MOEKIT_HOPPER_BACKWARD_BLOCKS", 0);
   o.batched_mm_tensor_cores = !env_is("MOEKIT_BATCHED_MM_TENSOR_CORES", "0");
   o.cpu_fp8_own_kernel = !env_is("MOEKIT_CPU_FP8_GEMM", "onednn");
   return o;
@@ -60,6 +73,8 @@ std::string describe(const KernelOptions& o) {
   field("hopper_clusters", o.hopper_clusters);
   field("hopper_idle_padding", o.hopper_idle_padding);
   field("hopper_decode_streaming", o.hopper_decode_streaming);
+  if (!out.empty()) out += ' ';
+  out += "hopper_backward_blocks=" + std::to_string(o.hopper_backward_blocks);
   field("batched_mm_tensor_cores", o.batched_mm_tensor_cores);
   field("cpu_fp8_own_kernel", o.cpu_fp8_own_kernel);
   return out;

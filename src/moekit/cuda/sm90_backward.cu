@@ -19,6 +19,7 @@
 #include "moekit/cuda/cuda_check.h"
 #include "moekit/cuda/sm90_backward_gemm.cuh"
 #include "moekit/cuda/tensor_map.h"
+#include "moekit/kernel_options.h"
 
 namespace moekit::cuda {
 namespace {
@@ -60,13 +61,20 @@ struct Maps {
   CUtensorMap a, b, c;
 };
 
+// A persistent launch's blocks: one a multiprocessor, at most one a unit, at most p.grid_blocks where that is set.
+unsigned grid_blocks(const Params& p, int64_t max_units) {
+  int64_t blocks = std::min<int64_t>(max_units, multiprocessor_count());
+  if (p.grid_blocks > 0) blocks = std::min<int64_t>(blocks, p.grid_blocks);
+  return static_cast<unsigned>(blocks);
+}
+
 template <typename T, Major kA, Major kB, bool kGatherA, bool kGatherB, Grouping kGroup, Epilogue kEpi>
 void launch(const Maps& maps, const Params& p, int64_t max_units, cudaStream_t stream) {
   if (max_units <= 0) return;
   auto* kernel = sm90_backward::backward_gemm_kernel<T, kA, kB, kGatherA, kGatherB, kGroup, kEpi>;
   constexpr std::size_t smem = sm90_backward::kSmemBytesOf<kEpi>;
   allow_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), smem);
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(max_units, multiprocessor_count()));
+  const auto blocks = grid_blocks(p, max_units);
   kernel<<<blocks, sm90_backward::kThreads, smem, stream>>>(maps.a, maps.b, maps.c, p);
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
@@ -104,8 +112,9 @@ void gather_sorted_rows(const ExpertsArgs& a, const BackwardProblem& p, cudaStre
   MOEKIT_CUDA_CHECK_LAUNCH();
 }
 
+// max_blocks caps every launch's blocks (KernelOptions::hopper_backward_blocks; 0: none).
 template <typename T>
-void backward_typed(BackwardProblem& p, cudaStream_t stream) {
+void backward_typed(BackwardProblem& p, int max_blocks, cudaStream_t stream) {
   const ExpertsArgs& a = p.b.a;
   const int64_t P = a.tokens * a.top_k, H = a.hidden, I = a.intermediate, N = a.has_gate ? 2 * I : I;
   // Row tiles in the worst case: every expert's last tile partly filled.
@@ -113,6 +122,7 @@ void backward_typed(BackwardProblem& p, cudaStream_t stream) {
   Params base;
   base.a = a;
   base.r = p.r;
+  base.grid_blocks = max_blocks;
   const DType t = a.dtype;
   const int64_t E = a.experts, rows = std::max<int64_t>(P, 1);
   const CUtensorMap up_map = chunk_map(a.up, t, H, N, E), down_map = chunk_map(a.down, t, I, H, E);
@@ -211,9 +221,9 @@ void hopper_backward(const ExpertsBackwardArgs& b, void* workspace, cudaStream_t
   route_backward_rows(p, workspace, sm90_backward::kBlockM, stream);
   p.partial_blocks = blocks_of(a.intermediate, sm90_backward::kBlockN);
   if (a.dtype == DType::bf16)
-    backward_typed<bf16>(p, stream);
+    backward_typed<bf16>(p, kernel_options().hopper_backward_blocks, stream);
   else
-    backward_typed<f16>(p, stream);
+    backward_typed<f16>(p, kernel_options().hopper_backward_blocks, stream);
 }
 
 }  // namespace moekit::cuda

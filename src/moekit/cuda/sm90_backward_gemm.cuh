@@ -106,6 +106,7 @@ struct Params {
   void* wa = nullptr;
   float* route_partials = nullptr;
   int64_t partial_blocks = 0;
+  int grid_blocks = 0;  // host side: the launch's cap on blocks (KernelOptions::hopper_backward_blocks; 0: none)
 };
 
 template <typename T, Major kA, Major kB>
