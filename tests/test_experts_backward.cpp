@@ -211,6 +211,21 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return x.nbytes() == y.nbytes() && std::memcmp(x.data(), y.data(), x.nbytes()) == 0;
 }
 
+// The names of the gradients whose bytes differ between a and b ("" where every one is the same).
+std::string differing_gradients(const ExpertsGradients& a, const ExpertsGradients& b) {
+  std::string out;
+  auto check = [&](const char* name, const Tensor& x, const Tensor& y) {
+    if (!bitwise_equal(x, y)) out += out.empty() ? name : std::string(", ") + name;
+  };
+  check("grad_hidden_states", a.hidden_states, b.hidden_states);
+  check("grad_top_k_weights", a.top_k_weights, b.top_k_weights);
+  check("grad_gate_up_proj", a.gate_up_proj, b.gate_up_proj);
+  check("grad_down_proj", a.down_proj, b.down_proj);
+  check("grad_gate_up_proj_bias", a.gate_up_proj_bias, b.gate_up_proj_bias);
+  check("grad_down_proj_bias", a.down_proj_bias, b.down_proj_bias);
+  return out;
+}
+
 // Every gradient of grads against the reference's, at the case's tolerance.
 void expect_gradients_match(const ExpertsGradients& grads, const ReferenceGradients& ref, const test::Tolerance& tol,
                             bool has_bias, const std::string& where) {
@@ -280,12 +295,7 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
   // Bitwise reproducible: a second run gives the very same bytes.
   ExpertsGradients again = experts_backward(problem, grad_out, p.backend, test::poisoned_gradients(problem, p.device));
   synchronize(p.device);
-  EXPECT_TRUE(bitwise_equal(grads.hidden_states, again.hidden_states)) << "grad_hidden_states differs run to run";
-  EXPECT_TRUE(bitwise_equal(grads.top_k_weights, again.top_k_weights)) << "grad_top_k_weights differs";
-  EXPECT_TRUE(bitwise_equal(grads.gate_up_proj, again.gate_up_proj)) << "grad_gate_up_proj differs";
-  EXPECT_TRUE(bitwise_equal(grads.down_proj, again.down_proj)) << "grad_down_proj differs";
-  EXPECT_TRUE(bitwise_equal(grads.gate_up_proj_bias, again.gate_up_proj_bias)) << "grad_gate_up_proj_bias differs";
-  EXPECT_TRUE(bitwise_equal(grads.down_proj_bias, again.down_proj_bias)) << "grad_down_proj_bias differs";
+  EXPECT_EQ(differing_gradients(grads, again), "") << "differ run to run\n  " << where;
 
   // The Hopper backward (the backends that keep activations) on three blocks, so that each block takes many units
   // and the small cases wrap every ring, as model-sized problems do on a whole GPU (where a block takes dozens): the
@@ -298,13 +308,8 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
     const ExpertsGradients on_few =
         experts_backward(problem, grad_out, p.backend, test::poisoned_gradients(problem, p.device));
     synchronize(p.device);
-    EXPECT_TRUE(bitwise_equal(grads.hidden_states, on_few.hidden_states) &&
-                bitwise_equal(grads.top_k_weights, on_few.top_k_weights) &&
-                bitwise_equal(grads.gate_up_proj, on_few.gate_up_proj) &&
-                bitwise_equal(grads.down_proj, on_few.down_proj) &&
-                bitwise_equal(grads.gate_up_proj_bias, on_few.gate_up_proj_bias) &&
-                bitwise_equal(grads.down_proj_bias, on_few.down_proj_bias))
-        << "the backward on three blocks differs from the one on the whole GPU\n  " << where;
+    EXPECT_EQ(differing_gradients(grads, on_few), "")
+        << "differ between the backward on three blocks and the one on the whole GPU\n  " << where;
   }
 
   // A backend that keeps activations from the forward: the forward that keeps them still matches the reference, and
@@ -326,13 +331,8 @@ TEST_P(ExpertsBackwardHarness, MatchesReference) {
       problem, grad_out, p.backend, test::poisoned_gradients(problem, p.device), Stream(), Tensor(), kept.saved);
   synchronize(p.device);
   expect_gradients_match(from_saved, ref, tol, p.c.options.config.has_bias, where + ", from the kept activations");
-  EXPECT_TRUE(bitwise_equal(from_saved.hidden_states, from_saved_again.hidden_states) &&
-              bitwise_equal(from_saved.top_k_weights, from_saved_again.top_k_weights) &&
-              bitwise_equal(from_saved.gate_up_proj, from_saved_again.gate_up_proj) &&
-              bitwise_equal(from_saved.down_proj, from_saved_again.down_proj) &&
-              bitwise_equal(from_saved.gate_up_proj_bias, from_saved_again.gate_up_proj_bias) &&
-              bitwise_equal(from_saved.down_proj_bias, from_saved_again.down_proj_bias))
-      << "the backward from kept activations differs run to run\n  " << where;
+  EXPECT_EQ(differing_gradients(from_saved, from_saved_again), "")
+      << "differ run to run in the backward from kept activations\n  " << where;
 }
 
 // The unquantised cases (FP8 / FP4 training is out of scope; BackwardRefusals checks that they are refused)
@@ -456,11 +456,7 @@ TEST(SavedActivations, BackendsThatKeepNothingRunTheirUsualForwardAndBackward) {
     EXPECT_TRUE(bitwise_equal(kept.out, experts_forward(p, backend))) << backend;
     const ExpertsGradients recomputed = experts_backward(p, g, backend);
     const ExpertsGradients with_saved = experts_backward(p, g, backend, {}, Stream(), Tensor(), kept.saved);
-    EXPECT_TRUE(bitwise_equal(recomputed.hidden_states, with_saved.hidden_states) &&
-                bitwise_equal(recomputed.top_k_weights, with_saved.top_k_weights) &&
-                bitwise_equal(recomputed.gate_up_proj, with_saved.gate_up_proj) &&
-                bitwise_equal(recomputed.down_proj, with_saved.down_proj))
-        << backend;
+    EXPECT_EQ(differing_gradients(recomputed, with_saved), "") << backend;
   }
 }
 
